@@ -1,0 +1,155 @@
+"""The library API: ``convert``, ``evaluate``, ``load``, ``save``. Returns values, prints nothing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from moeify.arch import family_for
+from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
+from moeify.evaluation.perplexity import perplexity
+from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
+from moeify.evaluation.speed import forward_tokens_per_s
+from moeify.export.io import atomic_dir, check_output_dir
+from moeify.export.native import is_native_folder, load_native, save_native
+from moeify.methods import ConversionContext, get_method
+from moeify.methods.options import OptionError, build_config
+from moeify.moe.accounting import activated_parameters, moe_layers, tracking_routing
+
+EMBEDDED_MODEL = "embedded:stories260K"
+SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
+
+
+def _model_path(model: str | Path | None) -> str:
+    if model is None or str(model) == EMBEDDED_MODEL:
+        return str(resources.files("moeify.data").joinpath("stories260K"))
+    return str(model)
+
+
+def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
+    """Load a folder written by ``save`` (moeify's native format) with moeify's runtime classes."""
+    return load_native(Path(path), device)
+
+
+def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[PreTrainedModel, Any]:
+    """(model, tokenizer) from a converted folder, a dense local folder or hub name, or the embedded
+    default (``None``)."""
+    path = _model_path(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if Path(path).is_dir() and is_native_folder(Path(path)):
+        return load_native(Path(path), device), tokenizer
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return dense.to(device).eval(), tokenizer
+
+
+def set_runtime_options(model: PreTrainedModel, options: dict[str, Any]) -> None:
+    """Change routers' runtime options (e.g. ``top_k``) of a converted model without converting again."""
+    layers = moe_layers(model)
+    if options and not layers:
+        raise OptionError("runtime options (--set) apply to converted models only; this model has no MoE layers")
+    for name, value in options.items():
+        for layer in layers:
+            layer.router.set_option(name, value)
+
+
+@dataclass
+class ConversionResult:
+    model: PreTrainedModel
+    tokenizer: Any
+    record: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: TextSource, seq_len: int,
+                       measure_speed: bool, progress: bool) -> tuple[dict[str, Any], float | None]:
+    with tracking_routing(model):
+        ppl = perplexity(model, tokenizer, eval_source, seq_len, progress=progress)
+    speed = forward_tokens_per_s(model, *SPEED_SHAPE) if measure_speed else None
+    return ppl.as_dict(), speed
+
+
+def convert(model: str | Path | None = None, method: str = "cmoe", options: dict[str, Any] | None = None, *,
+            calib: str | Path | None = None, eval: str | Path | None = None, seed: int = 0, device: str = "cpu",
+            eval_seq_len: int | None = None, measure_speed: bool = True, progress: bool = False) -> ConversionResult:
+    """Convert a dense model with ``method`` and measure it against the dense model in the same run.
+
+    Everything that can be validated is validated before the model's weights are loaded."""
+    spec = get_method(method)
+    config = build_config(spec.config_cls, options or {})
+    calib_source = read_text(calib or EMBEDDED_CALIB)
+    eval_source = read_text(eval or EMBEDDED_EVAL)
+    warnings = []
+    if calib_source.sha256 == eval_source.sha256:
+        warnings.append(f"the calibration and evaluation texts are identical ({calib_source.name}): the "
+                        "perplexity is measured on calibration data and will look better than it is")
+    model_config = AutoConfig.from_pretrained(_model_path(model))
+    family_for(model_config)
+    spec.check(config, model_config)
+    context = model_config.max_position_embeddings
+    seq_len = eval_seq_len or context
+    if seq_len > context:
+        raise OptionError(f"eval_seq_len={seq_len} must be <= the model's context {context}")
+
+    torch.manual_seed(seed)
+    dense, tokenizer = load_model(model, device)
+    dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
+    ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress)
+    start = time.perf_counter()
+    details = spec.convert(ctx, config)
+    convert_s = time.perf_counter() - start
+    moe = ctx.model.eval()
+    quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)
+    record = {
+        "method": spec.name,
+        "paper": spec.paper,
+        "model": str(model or EMBEDDED_MODEL),
+        "config": {**vars(config), "seed": seed, "device": device},
+        "data": {"calib": {"name": calib_source.name, "sha256": calib_source.sha256},
+                 "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
+        "metrics": {"dense_ppl": dense_quality["ppl"], "ppl": quality["ppl"], "eval_tokens": quality["tokens"],
+                    "dense_eval": dense_quality, "eval": quality},
+        "active": activated_parameters(moe, measured=True).as_dict(),
+        "nominal_active": activated_parameters(moe, measured=False).as_dict(),
+        "speed": None if speed is None else {
+            "batch_size": SPEED_SHAPE[0], "seq_len": SPEED_SHAPE[1], "dense_tokens_per_s": dense_speed,
+            "tokens_per_s": speed, "speedup": speed / dense_speed},
+        "timings": {"convert_s": convert_s},
+        "details": details,
+        "versions": library_versions(),
+        "warnings": warnings,
+    }
+    return ConversionResult(moe, tokenizer, record, warnings)
+
+
+def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the converted model, its tokenizer and ``record.json`` atomically into ``out``."""
+    out = Path(out)
+    check_output_dir(out, overwrite)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_native(result.model, tmp, result.tokenizer, method=result.record["method"])
+        write_record(result.record, tmp / RECORD_NAME)
+    return out
+
+
+def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | None = None, *,
+             seq_len: int | None = None, runtime_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Perplexity per data file and the activated ratios measured on that data."""
+    set_runtime_options(model, runtime_options or {})
+    sources = [read_text(d) for d in (data or [EMBEDDED_EVAL])]
+    seq_len = seq_len or model.config.max_position_embeddings
+    results: dict[str, Any] = {"ppl": {}, "eval": {}}
+    with tracking_routing(model):
+        for source in sources:
+            ppl = perplexity(model, tokenizer, source, seq_len)
+            results["ppl"][source.name] = ppl.ppl
+            results["eval"][source.name] = ppl.as_dict()
+    active = activated_parameters(model, measured=True)
+    results["active"] = {"mlp_ratio": active.mlp_ratio, "apr": active.apr, **active.as_dict()}
+    results["runtime_options"] = runtime_options or {}
+    return results

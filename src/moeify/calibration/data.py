@@ -1,0 +1,91 @@
+"""Local text and jsonl files -> token streams and calibration batches.
+
+Text is taken as-is and tokenized once, with the tokenizer's BOS only at the very start (the same
+protocol the perplexity evaluation uses), so calibration sees the distribution evaluation sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+EMBEDDED_CALIB = "embedded:tinystories_calib"
+EMBEDDED_EVAL = "embedded:tinystories_eval"
+_EMBEDDED = {EMBEDDED_CALIB: "tinystories_calib.txt", EMBEDDED_EVAL: "tinystories_eval.txt"}
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A named text with its checksum (recorded so that every number says what it was measured on)."""
+
+    name: str
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def read_text(path: str | Path) -> TextSource:
+    """Read ``.txt`` as-is; ``.jsonl`` (one object per line) and ``.json`` (a list) by their ``text``
+    field, documents joined by a blank line. ``embedded:...`` names the samples shipped in the package."""
+    spec = str(path)
+    if spec in _EMBEDDED:
+        text = resources.files("moeify.data").joinpath(_EMBEDDED[spec]).read_text(encoding="utf-8")
+        return TextSource(spec.split(":", 1)[1], text)
+    file = Path(spec)
+    if not file.is_file():
+        raise DataError(f"data file {spec!r} does not exist (expected a .txt, .jsonl or .json file)")
+    raw = file.read_text(encoding="utf-8")
+    if file.suffix == ".jsonl":
+        text = "\n\n".join(_doc_text(json.loads(line), file) for line in raw.splitlines() if line.strip())
+    elif file.suffix == ".json":
+        docs = json.loads(raw)
+        if not isinstance(docs, list):
+            raise DataError(f"{spec}: a .json data file must hold a list of strings or of objects with 'text'")
+        text = "\n\n".join(_doc_text(doc, file) for doc in docs)
+    else:
+        text = raw
+    if not text.strip():
+        raise DataError(f"data file {spec!r} holds no text")
+    return TextSource(file.name, text)
+
+
+def _doc_text(doc: Any, file: Path) -> str:
+    if isinstance(doc, str):
+        return doc
+    if isinstance(doc, dict) and isinstance(doc.get("text"), str):
+        return doc["text"]
+    raise DataError(f"{file}: every record needs a string 'text' field, got {str(doc)[:80]!r}")
+
+
+def token_stream(source: TextSource, tokenizer: Any) -> Tensor:
+    """The whole text tokenized once: (n_tokens,), BOS at the start if the tokenizer adds one."""
+    ids = tokenizer(source.text, return_attention_mask=False, verbose=False)["input_ids"]
+    if len(ids) < 2:
+        raise DataError(f"{source.name}: the text gives only {len(ids)} token(s)")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def calibration_batches(source: TextSource, tokenizer: Any, num_samples: int, seq_len: int, seed: int) -> Tensor:
+    """``num_samples`` disjoint windows of ``seq_len`` tokens at random places of the stream:
+    (num_samples, seq_len)."""
+    stream = token_stream(source, tokenizer)
+    slots = len(stream) // seq_len
+    if slots < num_samples:
+        raise DataError(f"{source.name}: {len(stream)} tokens give {slots} windows of seq_len={seq_len}, "
+                        f"fewer than calib_samples={num_samples}; pass more text or lower either value")
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(slots, generator=generator)[:num_samples].sort().values
+    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()])

@@ -1,0 +1,1 @@
+"""Perplexity, speed and the JSON record every command writes."""

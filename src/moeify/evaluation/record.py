@@ -1,0 +1,31 @@
+"""The JSON record every command writes next to its output (reports read these, nothing else)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+RECORD_NAME = "record.json"
+
+
+def library_versions() -> dict[str, str]:
+    import tokenizers
+    import torch
+    import transformers
+
+    from moeify import __version__
+
+    return {"moeify": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__, "python": platform.python_version()}
+
+
+def write_record(record: dict[str, Any], path: Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def read_record(folder: Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / RECORD_NAME).read_text())

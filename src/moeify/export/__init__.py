@@ -1,0 +1,1 @@
+"""Writing converted models: atomic folders and the native (trust_remote_code) format."""

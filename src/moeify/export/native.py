@@ -1,0 +1,76 @@
+"""moeify's native format: the base model's checkpoint layout plus MoE layers, loadable by transformers.
+
+The folder holds ``config.json`` (the base config with ``model_type = "moeify_<base>"``, an ``auto_map``
+and a ``moeify`` block listing every MoE layer's structure), ``model.safetensors``, the tokenizer, and
+two code files: ``moeify_moe.py`` (a verbatim copy of :mod:`moeify.runtime.moe`) and
+``modeling_moeify.py``. The changed ``model_type`` makes a plain ``from_pretrained`` without
+``trust_remote_code`` fail loudly instead of silently loading dense MLPs with missing weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from moeify.runtime import moe as runtime_moe
+
+MOEIFY_KEY = "moeify"
+
+
+def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, method: str = "") -> None:
+    """Write ``model`` (with its MoE layers) into ``folder`` (which should come from ``atomic_dir``)."""
+    from moeify import __version__
+
+    folder = Path(folder)
+    base_type = model.config.model_type
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update({
+        "model_type": f"moeify_{base_type}",
+        "architectures": ["MoeifyForCausalLM"],
+        "auto_map": {"AutoConfig": "modeling_moeify.MoeifyConfig",
+                     "AutoModelForCausalLM": "modeling_moeify.MoeifyForCausalLM"},
+        MOEIFY_KEY: {"format_version": runtime_moe.FORMAT_VERSION, "method": method,
+                     "base_model_type": base_type, "layers": runtime_moe.moe_layer_specs(model)},
+    })
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(runtime_moe.__file__, folder / "moeify_moe.py")
+    template = resources.files("moeify.runtime").joinpath("remote_template.py.txt").read_text()
+    base_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
+    (folder / "modeling_moeify.py").write_text(template.format(
+        version=__version__, method=method or "moeify", config_class=type(model.config).__name__,
+        model_class=base_cls.__name__, model_type=f"moeify_{base_type}"))
+
+
+def is_native_folder(path: Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and MOEIFY_KEY in json.loads(config.read_text())
+
+
+def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """Load a native folder with moeify's own runtime classes (so moeify can inspect and re-route it)."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    block = raw[MOEIFY_KEY]
+    if block.get("format_version") != runtime_moe.FORMAT_VERSION:
+        raise ValueError(f"{path}: moeify format_version={block.get('format_version')} is not supported "
+                         f"(this moeify reads {runtime_moe.FORMAT_VERSION})")
+    config_cls = CONFIG_MAPPING[block["base_model_type"]]
+    for key in ("model_type", "auto_map", "architectures"):
+        raw.pop(key, None)
+    config = config_cls.from_dict(raw)
+    model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls])
+    model = model_cls.from_pretrained(path, config=config, dtype=torch.float32)
+    return model.to(device).eval()
+

@@ -1,0 +1,18 @@
+"""The registry of conversion methods: every method listed once, with its paper."""
+
+from __future__ import annotations
+
+from moeify.methods.base import ConversionContext, Method
+from moeify.methods.cmoe import CMOE
+
+METHODS: tuple[Method, ...] = (CMOE,)
+
+
+def get_method(name: str) -> Method:
+    for method in METHODS:
+        if method.name == name:
+            return method
+    raise ValueError(f"unknown method {name!r}; available: {', '.join(m.name for m in METHODS)}")
+
+
+__all__ = ["METHODS", "ConversionContext", "Method", "get_method"]

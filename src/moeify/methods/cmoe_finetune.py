@@ -1,0 +1,65 @@
+"""CMoE's optional light fine-tuning (§V): LoRA (rank 8, alpha 32) on every linear projection except the
+LM head and the routers, the score scale u at its own learning rate, Adam with betas (0.9, 0.95), and
+the aux-loss-free load-balancing bias b moved by gamma after every step (Eq. 33). The LoRA weights are
+merged afterwards, so the saved model has the plain MoE structure."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from moeify.calibration.data import token_stream
+from moeify.moe.accounting import moe_layers
+from moeify.training.loop import random_windows, train_lm
+
+if TYPE_CHECKING:
+    from moeify.methods.base import ConversionContext
+    from moeify.methods.cmoe import CmoeConfig
+
+
+def _lora_targets(model: nn.Module) -> list[str]:
+    """Full names of the linear layers LoRA wraps: all but the LM head and the routers' neurons."""
+    head = model.get_output_embeddings()
+    routers = {id(m) for layer in moe_layers(model) for m in layer.router.modules()}
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head and id(m) not in routers]
+
+
+def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    model = ctx.model
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                      target_modules=_lora_targets(model))
+    peft_model = get_peft_model(model, lora)
+    layers = moe_layers(model)
+    scales = [layer.router.u for layer in layers]
+    for u in scales:  # peft freezes every base parameter; u must learn (Eq. 28)
+        u.requires_grad_(True)
+    lora_params = [p for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" in n]
+    optimizer = torch.optim.Adam([{"params": lora_params, "lr": cfg.lr}, {"params": scales, "lr": cfg.u_lr}],
+                                 betas=(0.9, 0.95))
+    stream = token_stream(ctx.calib, ctx.tokenizer)
+    generator = torch.Generator().manual_seed(ctx.seed + 1)
+
+    def balance() -> None:  # Eq. 33, from the tokens each expert received in this step
+        for layer in layers:
+            layer.router.update_bias(layer.stats_expert_tokens)
+            layer.reset_stats()
+
+    for layer in layers:
+        layer.reset_stats()
+        layer.track_stats = True
+    try:
+        log = train_lm(peft_model, optimizer, lambda: random_windows(stream, seq_len, cfg.finetune_batch_size, generator),
+                       cfg.finetune_steps, device=ctx.device, after_step=balance, progress=ctx.progress,
+                       desc="cmoe: fine-tuning")
+    finally:
+        for layer in layers:
+            layer.track_stats = False
+    ctx.model = peft_model.merge_and_unload()  # LoRA folded into the weights; plain MoE structure again
+    for u in scales:
+        u.requires_grad_(False)
+    return {**log.summary(), "u_abs_mean": float(torch.cat([u.detach().abs() for u in scales]).mean())}

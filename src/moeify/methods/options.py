@@ -1,0 +1,100 @@
+"""Typed, frozen method configurations built from ``--set KEY=VALUE`` strings.
+
+Every option is a dataclass field with a ``help`` and, where it has one, an allowed range, so that bad
+input fails before any heavy work with the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+
+class OptionError(ValueError):
+    pass
+
+
+def option(default: Any, help: str, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False) -> Any:
+    """A config field with its help text and an optional numeric range [low, high] ((low, high] if
+    ``low_open``)."""
+    return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high,
+                                                        "low_open": low_open})
+
+
+def _convert(name: str, raw: Any, annotation: Any) -> Any:
+    """Turn a ``--set`` string (or an already typed value) into the field's type."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(name, raw, inner[0])
+    if origin is Literal:
+        if raw not in args:
+            raise OptionError(f"{name}={raw!r} is not allowed; choose one of: {', '.join(map(str, args))}")
+        return raw
+    try:
+        if annotation is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+        return annotation(raw)
+    except (TypeError, ValueError):
+        raise OptionError(f"{name}={raw!r} is not a valid {annotation.__name__}") from None
+
+
+def _check_range(name: str, value: Any, meta: dict[str, Any]) -> None:
+    low, high = meta.get("low"), meta.get("high")
+    if value is None or (low is None and high is None):
+        return
+    below = low is not None and (value <= low if meta.get("low_open") else value < low)
+    above = high is not None and value > high
+    if below or above:
+        left = "(" if meta.get("low_open") else "["
+        span = f"{left}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise OptionError(f"{name}={value} is out of range; allowed: {span}")
+
+
+def build_config(config_cls: type, overrides: dict[str, Any]) -> Any:
+    """The config with ``overrides`` applied; unknown keys and bad values raise ``OptionError``."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise OptionError(f"unknown option(s) {', '.join(unknown)} for {config_cls.__name__}; "
+                          f"options: {', '.join(fields)}")
+    hints = typing.get_type_hints(config_cls)
+    values = {}
+    for key, raw in overrides.items():
+        values[key] = _convert(key, raw, hints[key])
+        _check_range(key, values[key], dict(fields[key].metadata))
+    return config_cls(**values)
+
+
+def describe(config_cls: type) -> list[tuple[str, str, Any, str]]:
+    """(name, type, default, help) for every option, for ``moeify methods``."""
+    hints = typing.get_type_hints(config_cls)
+    rows = []
+    for f in dataclasses.fields(config_cls):
+        kind = hints[f.name]
+        text = "|".join(map(str, get_args(kind))) if get_origin(kind) is Literal else getattr(kind, "__name__", str(kind))
+        rows.append((f.name, text.replace("typing.", ""), f.default, f.metadata.get("help", "")))
+    return rows
+
+
+def parse_assignments(pairs: list[str]) -> dict[str, str]:
+    """``["top_k=2", "spec=S1A1E8"]`` -> ``{"top_k": "2", "spec": "S1A1E8"}``."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise OptionError(f"--set expects KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out

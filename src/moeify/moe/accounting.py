@@ -1,0 +1,103 @@
+"""Activated parameters, per layer and in total.
+
+Counted over the projections of attention and MLP (weights and biases), as MoRE's Eq. 16 defines the
+activated-parameter ratio: APR = (P_attn + E[P_act,mlp]) / (P_attn + P_mlp); embeddings, norms and the
+LM head are outside both numerator and denominator. E[P_act,mlp] is the shared part plus the experts
+a token is routed to, averaged over the tokens the layers actually saw (``measured``), or under
+uniform routing with the routers' top-k (``nominal``, the papers' (S+A)/E). Router parameters are not
+part of the dense model, so they are reported separately (``router_params``) and not counted in APR,
+as in CMoE's and MoRE's definitions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from moeify.arch import DecoderAdapter
+from moeify.runtime.moe import MoeMLP
+
+
+def _neuron_params(layer: MoeMLP) -> int:
+    """Parameters owned by one hidden neuron of this layer (a row of up/gate, a column of down, biases)."""
+    n = (layer.shared or layer.experts[0]).neurons
+    per = n.up.in_features * (3 if n.gated else 2)
+    return per + (0 if n.up.bias is None else (2 if n.gated else 1))
+
+
+def moe_layer_counts(layer: MoeMLP, measured: bool) -> tuple[int, float, int]:
+    """(dense-equivalent MLP params, expected active MLP params per token, router params)."""
+    per = _neuron_params(layer)
+    widths = [e.width for e in layer.experts]
+    shared = 0 if layer.shared is None else layer.shared.width
+    bias = 0 if layer.down_bias is None else layer.down_bias.numel()
+    dense = (shared + sum(widths)) * per + bias
+    if measured and layer.stats_tokens:
+        routed = sum(c * w for c, w in zip(layer.stats_expert_tokens.tolist(), widths)) / layer.stats_tokens
+    else:
+        routed = layer.router.top_k * sum(widths) / len(widths)
+    router = sum(p.numel() for p in layer.router.parameters())
+    return dense, (shared + routed) * per + bias, router
+
+
+@dataclass(frozen=True)
+class ActiveParams:
+    """The record's ``active`` block."""
+
+    total_params: int          # P_attn + P_mlp of the dense model
+    active_params: float       # P_attn + E[P_act,mlp]
+    apr: float                 # active_params / total_params (MoRE Eq. 16)
+    mlp_ratio: float           # E[P_act,mlp] / P_mlp
+    router_params: int
+    per_layer_mlp_ratio: list[float]
+    measured: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParams:
+    """Count the model's activated parameters (see the module docstring)."""
+    adapter = DecoderAdapter(model)
+    attn = mlp_dense = mlp_active = 0.0
+    router = 0
+    per_layer = []
+    any_measured = False
+    for i in range(adapter.num_layers):
+        attn += adapter.attention_params(i)
+        module = adapter.mlp_module(i)
+        if isinstance(module, MoeMLP):
+            dense, active, r = moe_layer_counts(module, measured)
+            any_measured |= measured and module.stats_tokens > 0
+            router += r
+        else:
+            dense = active = adapter.dense_mlp_params(i)
+        mlp_dense += dense
+        mlp_active += active
+        per_layer.append(active / dense)
+    total = attn + mlp_dense
+    return ActiveParams(total_params=int(total), active_params=attn + mlp_active, apr=(attn + mlp_active) / total,
+                        mlp_ratio=mlp_active / mlp_dense, router_params=router,
+                        per_layer_mlp_ratio=per_layer, measured=any_measured)
+
+
+def moe_layers(model: nn.Module) -> list[MoeMLP]:
+    return [m for m in model.modules() if isinstance(m, MoeMLP)]
+
+
+@contextmanager
+def tracking_routing(model: nn.Module) -> Iterator[list[MoeMLP]]:
+    """Count tokens per expert in every MoE layer inside the block (counters reset on entry)."""
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.reset_stats()
+        layer.track_stats = True
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            layer.track_stats = False

@@ -1,0 +1,51 @@
+"""Build inference modules (moeify.runtime) from plain MLP weights and a partition."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeify.arch.mlp import MlpWeights
+from moeify.moe.partition import ExpertPartition
+from moeify.runtime.moe import ExpertMLP, HiddenNeurons, MoeMLP
+
+
+def _copy(linear: nn.Linear | None, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    if linear is None:
+        return
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if linear.bias is not None:
+            linear.bias.copy_(bias)
+
+
+def load_neurons_(neurons: HiddenNeurons, mlp: MlpWeights) -> HiddenNeurons:
+    """Copy the input half (up, gate and their biases) of ``mlp`` into ``neurons``."""
+    _copy(neurons.up, mlp.up, mlp.up_bias)
+    _copy(neurons.gate, mlp.gate, mlp.gate_bias)
+    return neurons
+
+
+def hidden_neurons(mlp: MlpWeights) -> HiddenNeurons:
+    """The input half of ``mlp`` as a module (CMoE's router is the representative neurons' half)."""
+    module = HiddenNeurons(mlp.hidden_size, mlp.intermediate_size, mlp.act, mlp.gated, mlp.up_bias is not None)
+    return load_neurons_(module, mlp)
+
+
+def expert_mlp(mlp: MlpWeights) -> ExpertMLP:
+    """``mlp`` (usually a neuron subset of a dense MLP, without output bias) as an expert module."""
+    expert = ExpertMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act, mlp.gated, mlp.up_bias is not None)
+    load_neurons_(expert.neurons, mlp)
+    with torch.no_grad():
+        expert.down.weight.copy_(mlp.down)
+    return expert
+
+
+def moe_from_partition(mlp: MlpWeights, partition: ExpertPartition, router: nn.Module) -> MoeMLP:
+    """The MoE layer whose shared part and experts are the partition's neuron subsets of ``mlp``;
+    with every expert on it computes exactly ``mlp`` (CMoE Eq. 19)."""
+    experts = [expert_mlp(mlp.select(part)) for part in partition.experts]
+    shared = expert_mlp(mlp.select(partition.shared)) if partition.shared.numel() else None
+    down_bias = None if mlp.down_bias is None else mlp.down_bias.detach().clone()
+    layer = MoeMLP(experts, router, shared, down_bias)
+    return layer.to(mlp.up.dtype)

@@ -1,0 +1,1 @@
+"""Training utilities shared by the methods that train."""
