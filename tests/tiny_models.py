@@ -98,6 +98,6 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         _randomise_biases_and_norms_(model)
     return model.to(torch.float32).eval()

@@ -31,7 +31,8 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
 
     folder = Path(folder)
     base_type = model.config.model_type
-    model.save_pretrained(folder, safe_serialization=True)
+    # Custom (moeify) classes get no checkpoint renaming when loading, so the file keeps in-memory names.
+    model.save_pretrained(folder, save_original_format=False)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     config_path = folder / "config.json"

@@ -1,0 +1,94 @@
+"""CMoE on tiny models of every family: identity with every expert on, partition rules, options."""
+
+import pytest
+import torch
+
+from moeify.arch import DecoderAdapter
+from moeify.methods.cmoe import CmoeConfig, atopk_markers, carve, convert
+from moeify.methods.options import OptionError, build_config
+from moeify.moe.accounting import moe_layers
+from moeify.runtime.moe import MoeMLP
+from tests.conftest import clone
+from tests.tiny_models import FAMILY_NAMES, tiny_model
+
+TINY = dict(vocab_size=512, max_position_embeddings=256)
+
+
+def converted(family: str, make_ctx, **options):
+    dense = tiny_model(family, **TINY)
+    moe = clone(dense)
+    cfg = build_config(CmoeConfig, {"calib_samples": 4, "seq_len": 64, **options})
+    details = convert(make_ctx(moe), cfg)
+    return dense, moe, details
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_expert_on_reproduces_dense_logits(family, make_ctx):
+    dense, moe, details = converted(family, make_ctx, spec="S1A1E8")
+    layers = moe_layers(moe)
+    assert len(layers) == DecoderAdapter(moe).num_layers and all(isinstance(m, MoeMLP) for m in layers)
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = dense(ids).logits
+        sparse = moe(ids).logits
+        assert (sparse - reference).abs().max() > 1e-3  # top-1 of 7 routed experts really drops neurons
+        for layer in layers:
+            layer.router.set_option("top_k", 7)
+        torch.testing.assert_close(moe(ids).logits, reference, atol=1e-4, rtol=0)
+    assert details["layers"][0]["expert_sizes"] == [11, 11, 11, 11, 11, 11, 11]  # 88 = 8 x 11
+
+
+def test_partition_covers_every_neuron_with_sizes_differing_by_one():
+    g = torch.Generator().manual_seed(0)
+    markers = torch.rand(300, 172, generator=g) < 0.1
+    for partition in ("balanced_kmeans", "random"):
+        cfg = CmoeConfig(spec="S1A1E8", partition=partition)
+        carving = carve(markers, cfg, torch.Generator().manual_seed(0))
+        p = carving.partition
+        assert p.covers(172)
+        assert p.shared.numel() == 22
+        assert sorted(e.numel() for e in p.experts) == [21, 21, 21, 21, 22, 22, 22]
+        for rep, expert in zip(carving.representatives, p.experts):
+            assert rep in expert
+    kmeans = carve(markers, CmoeConfig(spec="S1A1E8"), g)
+    rates = markers.float().mean(0)
+    assert set(kmeans.partition.shared.tolist()) == set(rates.topk(22).indices.tolist())  # Eq. 8
+
+
+def test_atopk_marks_exactly_ka_neurons_per_token():
+    dense = tiny_model("llama")
+    mlp = DecoderAdapter(dense).mlp(0)
+    markers = atopk_markers(mlp, torch.randn(50, 64), ka=10)
+    assert markers.shape == (50, 88) and markers.sum(1).tolist() == [10] * 50
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"top_k": "8"}, r"top_k=8 must be <= the routed experts num_experts - num_shared = 7"),
+    ({"num_shared": "8"}, r"num_shared=8 must be < num_experts=8"),
+    ({"spec": "S1A2"}, r"spec='S1A2' must look like S1A1E8"),
+    ({"partition": "kmeans"}, r"partition='kmeans' is not allowed; choose one of: balanced_kmeans, random"),
+    ({"ka": "0"}, r"ka=0 is out of range; allowed: \[1, inf\]"),
+    ({"topk": "1"}, r"unknown option\(s\) topk .* options: num_experts, num_shared, top_k"),
+    ({"lr": "-1"}, r"lr=-1.0 is out of range; allowed: \(0.0, inf\]"),
+    ({"num_experts": "two"}, r"num_experts='two' is not a valid int"),
+])
+def test_bad_options_fail_with_value_and_allowed_range(options, message):
+    with pytest.raises(OptionError, match=message):
+        build_config(CmoeConfig, options)
+
+
+def test_model_dependent_limits(make_ctx):
+    config = tiny_model("llama").config
+    with pytest.raises(OptionError, match=r"num_experts=100 must be <= the MLP width d_h=88"):
+        CmoeConfig(num_experts=100).check(config)
+    with pytest.raises(OptionError, match=r"seq_len=4096 must be <= the model's context 128"):
+        CmoeConfig(seq_len=4096).check(config)
+
+
+def test_light_finetuning_trains_u_and_moves_bias(make_ctx):
+    _, moe, details = converted("llama", make_ctx, spec="S1A2E8", finetune_steps=3, finetune_batch_size=2)
+    layers = moe_layers(moe)
+    assert details["finetune"]["steps"] == 3
+    assert details["finetune"]["u_abs_mean"] > 0  # u was really trainable under LoRA
+    assert any(layer.router.bias.abs().sum() > 0 for layer in layers)  # Eq. 33 bias updates ran
+    assert not any("lora" in name for name, _ in moe.named_parameters())  # merged into plain weights

@@ -1,0 +1,98 @@
+"""The runtime MoE layer: dispatch bookkeeping, real sparse compute, and the all-experts identity."""
+
+import pytest
+import torch
+
+from moeify.arch.mlp import MlpWeights
+from moeify.moe.build import moe_from_partition
+from moeify.moe.partition import ExpertPartition, even_sizes
+from moeify.runtime.moe import Dispatch, ExpertMLP, MoeMLP, RepresentativeRouter
+
+
+def random_mlp(d=16, d_h=30, gated=True, bias=False, seed=0) -> MlpWeights:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return MlpWeights(up=r(d_h, d), down=r(d, d_h), act="silu" if gated else "gelu", gate=r(d_h, d) if gated else None,
+                      up_bias=r(d_h) if bias else None, gate_bias=r(d_h) if (bias and gated) else None,
+                      down_bias=r(d) if bias else None)
+
+
+def layer_for(mlp: MlpWeights, shared: int, experts: int, top_k: int) -> MoeMLP:
+    sizes = even_sizes(mlp.intermediate_size - shared, experts)
+    perm = torch.randperm(mlp.intermediate_size, generator=torch.Generator().manual_seed(1))
+    parts = perm[shared:].split(sizes)
+    router = RepresentativeRouter(mlp.hidden_size, experts, top_k, mlp.act, mlp.gated, mlp.up_bias is not None)
+    torch.nn.init.normal_(router.neurons.up.weight)
+    if router.neurons.gate is not None:
+        torch.nn.init.normal_(router.neurons.gate.weight)
+    return moe_from_partition(mlp, ExpertPartition(perm[:shared], tuple(parts)), router)
+
+
+def test_dispatch_sorted_by_expert_with_counts():
+    idx = torch.tensor([[2, 0], [1, 2], [2, 1]])
+    w = torch.arange(6, dtype=torch.float).reshape(3, 2)
+    d = Dispatch.from_topk(idx, w, num_experts=4)
+    assert d.expert.tolist() == [0, 1, 1, 2, 2, 2]
+    assert d.counts.tolist() == [1, 2, 3, 0]
+    assert d.token.tolist() == [0, 1, 2, 0, 1, 2]
+    assert d.weight.tolist() == [1.0, 2.0, 5.0, 0.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True), (True, True)])
+def test_all_experts_reproduce_dense_mlp(gated, bias):
+    mlp = random_mlp(gated=gated, bias=bias)
+    layer = layer_for(mlp, shared=6, experts=4, top_k=1)
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(layer.forward_all_experts(x), mlp.forward(x), atol=1e-5, rtol=1e-5)
+    layer.router.set_option("top_k", 4)  # routed path with every expert on and u = 0 (unit weights)
+    torch.testing.assert_close(layer(x), mlp.forward(x), atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_path_equals_masked_reference_and_runs_only_routed_experts():
+    mlp = random_mlp()
+    layer = layer_for(mlp, shared=6, experts=4, top_k=2)
+    with torch.no_grad():
+        layer.router.u.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))  # non-trivial weights g = 1 + s'u
+    x = torch.randn(40, 16)
+    d = layer.router(x)
+    reference = layer.shared(x).clone()
+    for t, e, w in zip(d.token.tolist(), d.expert.tolist(), d.weight):
+        reference[t] += w * layer.experts[e](x[t])
+    torch.testing.assert_close(layer(x), reference, atol=1e-5, rtol=1e-5)
+
+    calls = [0] * 4
+    for e, expert in enumerate(layer.experts):
+        expert.register_forward_hook(lambda m, i, o, e=e: calls.__setitem__(e, calls[e] + i[0].shape[0]))
+    x = torch.randn(64, 16)
+    layer.track_stats = True
+    layer(x)
+    counts = layer.router(x).counts.tolist()
+    assert calls == counts  # each expert saw exactly its routed tokens, never the whole batch
+    assert sum(calls) == 64 * 2
+    assert layer.stats_expert_tokens.tolist() == counts and layer.stats_tokens == 64
+
+
+def test_router_options_are_validated():
+    layer = layer_for(random_mlp(), shared=6, experts=4, top_k=1)
+    with pytest.raises(ValueError, match=r"top_k=5 must be in \[1, 4\]"):
+        layer.router.set_option("top_k", 5)
+    with pytest.raises(KeyError, match="unknown"):
+        layer.router.set_option("tau", 0.5)
+
+
+def test_bias_update_moves_against_load():
+    router = RepresentativeRouter(8, 3, 1, "silu", True, False, bias_speed=0.01)
+    router.update_bias(torch.tensor([10, 1, 1]))
+    assert router.bias.tolist() == pytest.approx([-0.01, 0.01, 0.01])
+
+
+def test_expert_widths_may_differ_and_spec_roundtrips():
+    from moeify.runtime.moe import build_moe_mlp
+
+    layer = layer_for(random_mlp(d_h=31), shared=3, experts=4, top_k=2)
+    assert [e.width for e in layer.experts] == [7, 7, 7, 7]
+    rebuilt = build_moe_mlp(layer.spec())
+    rebuilt.load_state_dict(layer.state_dict())
+    x = torch.randn(9, 16)
+    torch.testing.assert_close(rebuilt(x), layer(x))
+    assert isinstance(rebuilt.experts[0], ExpertMLP)
