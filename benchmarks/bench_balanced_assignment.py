@@ -3,13 +3,13 @@
 CMoE (Eq. 11-13) assigns n neurons to k equal clusters by repeating each of the k centroid
 columns `capacity` times and solving the n x n assignment with scipy's linear_sum_assignment.
 `moeify.moe.balanced_assignment` solves the same transportation problem as a min-cost flow. This
-script times both on the paper's shape (n = 9632 routed neurons, k = 14 clusters, capacity 688) with
-realistic costs, checks that the optimal costs agree and prints one JSON line.
+script times both on the paper's shape (n = 9632 routed neurons, k = 14 clusters, capacity 688)
+with realistic costs, checks that the optimal costs agree and prints one JSON line.
 
 Costs: every neuron is described by a binary activation-marker vector over `dim` calibration tokens
-(as in CMoE's ATopK representation, with per-neuron firing rates), the centroids are the means of 14
-random neuron groups, and the cost is the L2 distance, computed in float32 with torch.cdist the way a
-k-means loop would.
+(as in CMoE's ATopK representation, with per-neuron firing rates), the centroids are the means of k
+random neuron groups, and the cost is the L2 distance, computed in float32 with torch.cdist the way
+a k-means loop would.
 
     python benchmarks/bench_balanced_assignment.py [--n 9632] [--k 14] [--dim 512] [--repeats 5]
 """
@@ -35,7 +35,7 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
 
 
 def make_distances(n: int, k: int, dim: int, seed: int) -> torch.Tensor:
-    """L2 distances (n, k) between binary neuron features and the means of k random neuron groups."""
+    """L2 distances (n, k) from binary neuron features to the means of k random neuron groups."""
     generator = torch.Generator().manual_seed(seed)
     firing_rate = torch.rand(n, 1, generator=generator) * 0.5
     features = (torch.rand(n, dim, generator=generator) < firing_rate).float()

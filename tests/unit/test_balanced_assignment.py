@@ -16,7 +16,7 @@ def _sizes(n: int, k: int) -> list[int]:
 
 
 def _optimal_cost(costs: np.ndarray, sizes: list[int]) -> float:
-    """The paper's reference: Jonker-Volgenant on the matrix with column j repeated sizes[j] times."""
+    """The paper's reference: Jonker-Volgenant with column j repeated sizes[j] times."""
     extended = np.repeat(costs, sizes, axis=1)
     rows, cols = linear_sum_assignment(extended)
     return float(extended[rows, cols].sum())
@@ -80,7 +80,8 @@ def test_single_cluster() -> None:
 
 def test_torch_float32_and_numpy_float32_inputs() -> None:
     generator = torch.Generator().manual_seed(10)
-    distances = torch.cdist(torch.rand(84, 16, generator=generator), torch.rand(6, 16, generator=generator))
+    points = torch.rand(84, 16, generator=generator)
+    distances = torch.cdist(points, torch.rand(6, 16, generator=generator))
     costs = distances.double().numpy()
     from_torch = balanced_assignment(distances, 14)
     _check(costs, [14] * 6, from_torch)

@@ -127,20 +127,21 @@ def carve(markers: Tensor, cfg: CmoeConfig, generator: torch.Generator) -> Carvi
     n_shared, capacities = sum(sizes[:cfg.num_shared]), sizes[cfg.num_shared:]
     if cfg.partition == "random":
         order = torch.randperm(d_h, generator=generator)
-        shared, rest = order[:n_shared], order[n_shared:]
-        groups = random_partition(rest, capacities, generator)
+        shared = order[:n_shared]
+        groups = random_partition(order[n_shared:], capacities, generator)
         routed = torch.cat(groups)
-        labels = torch.cat([torch.full((g.numel(),), p) for p, g in enumerate(groups)])
-        feats = markers[:, routed].T.float()  # c_i, one row per routed neuron: (n_r, q)
-        centroids = torch.stack([feats[labels == p].mean(dim=0) for p in range(len(capacities))])
-        iterations = 0
     else:
         shared = rates.topk(n_shared).indices  # S_Ns; Eq. 8
         keep = torch.ones(d_h, dtype=torch.bool)
         keep[shared] = False
         routed = keep.nonzero().squeeze(1)
-        feats = markers[:, routed].T.float()
-        seeds = rates[routed].topk(len(capacities)).indices  # highest-rate non-shared neurons
+    feats = markers[:, routed].T.float().contiguous()  # c_i, one row per routed neuron: (n_r, q)
+    if cfg.partition == "random":
+        labels = torch.cat([torch.full((g.numel(),), p) for p, g in enumerate(groups)])
+        centroids = torch.stack([feats[labels == p].mean(dim=0) for p in range(len(capacities))])
+        iterations = 0
+    else:
+        seeds = rates[routed].topk(len(capacities)).indices  # the highest-rate non-shared neurons
         labels, centroids, iterations = balanced_kmeans(feats, feats[seeds], capacities, max_iter=cfg.max_iter)
     experts, reps = [], []
     for p in range(len(capacities)):

@@ -8,11 +8,12 @@ k-means. Its assignment step (CMoE Eq. 11-13) is the transportation problem
                sum_i x_ij = m_j        for every cluster j         (Eq. 13)
                x_ij in {0, 1}
 
-where ``d_ij`` is the distance of neuron ``i`` to centroid ``j`` and ``m_j`` the size of cluster ``j``.
-The paper repeats every column ``m_j`` times into an ``n x n`` matrix and runs Jonker-Volgenant
-(``scipy.optimize.linear_sum_assignment``), which costs ``O(n^3)``: tens of seconds per k-means
-iteration at ``n = 9632``. With only ``k`` sinks the same optimum is a min-cost flow on ``n + k``
-nodes and ``n * k`` arcs, which OR-Tools' cost-scaling push-relabel solves in milliseconds.
+where ``d_ij`` is the distance of neuron ``i`` to centroid ``j`` and ``m_j`` the size of
+cluster ``j``. The paper repeats every column ``m_j`` times into an ``n x n`` matrix and runs
+Jonker-Volgenant (``scipy.optimize.linear_sum_assignment``), which costs ``O(n^3)``: about 90 s
+per k-means iteration at ``n = 9632, k = 14`` on two CPU cores. With only ``k`` sinks the same
+optimum is a min-cost flow on ``n + k`` nodes and ``n * k`` arcs, which OR-Tools' cost-scaling
+push-relabel solves in a few tens of milliseconds (``benchmarks/bench_balanced_assignment.py``).
 
 The solver needs integer costs, so the float costs are scaled and rounded (see
 ``_min_cost_flow_labels`` for the bound on what that can cost), and the result is then certified
@@ -84,7 +85,9 @@ def _cost_matrix(distances: np.ndarray | torch.Tensor) -> np.ndarray:
             f"distances must be a 2-D (n, k) matrix, got {array.ndim}-D with shape {array.shape}"
         )
     if array.shape[1] == 0:
-        raise ValueError(f"distances must have at least one column (cluster), got shape {array.shape}")
+        raise ValueError(
+            f"distances must have at least one column (cluster), got shape {array.shape}"
+        )
     bad = ~np.isfinite(array)
     if bad.any():
         row, col = np.argwhere(bad)[0]
@@ -96,7 +99,7 @@ def _cost_matrix(distances: np.ndarray | torch.Tensor) -> np.ndarray:
 
 
 def _capacities(capacity: int | Sequence[int], n: int, k: int) -> np.ndarray:
-    """Validate ``capacity`` against an ``(n, k)`` cost matrix and return the ``k`` cluster sizes."""
+    """Validate ``capacity`` for an ``(n, k)`` cost matrix and return the ``k`` cluster sizes."""
     if isinstance(capacity, Integral) and not isinstance(capacity, bool):
         if capacity < 0:
             raise ValueError(f"capacity must be non-negative, got {capacity}")
@@ -125,7 +128,8 @@ def _capacities(capacity: int | Sequence[int], n: int, k: int) -> np.ndarray:
         raise ValueError(f"capacities must be non-negative, got capacity[{j}] = {sizes[j]}")
     if sizes.sum() != n:
         raise ValueError(
-            f"capacities sum to {int(sizes.sum())}, but distances has n={n} rows; they must be equal"
+            f"capacities sum to {int(sizes.sum())}, but distances has n={n} rows; "
+            f"they must be equal"
         )
     return sizes.astype(np.int64)
 
@@ -194,7 +198,9 @@ def _cancel_negative_cycles(costs: np.ndarray, labels: np.ndarray) -> np.ndarray
     return labels
 
 
-def _negative_cycle(costs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _negative_cycle(
+    costs: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Return ``(rows, new_clusters)`` of a cost-lowering cycle of row moves, or None."""
     n, k = costs.shape
     exchange = costs - costs[np.arange(n), labels][:, None]

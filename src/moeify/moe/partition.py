@@ -57,18 +57,21 @@ def balanced_kmeans(features: Tensor, init_centroids: Tensor, capacities: list[i
     features: (n, q) one row per neuron (its activation markers over q tokens); init_centroids: (k, q).
     Returns (labels (n,), centroids (k, q), iterations run).
     """
+    feats = features.float().contiguous()  # (n, q) row-major: the matmuls below stream it once
+    sq_norms = feats.pow(2).sum(dim=1, keepdim=True)  # |c_i|^2, reused by every distance evaluation
     centroids = init_centroids.float().clone()
-    feats = features.float()
+    sizes = torch.tensor(capacities, dtype=feats.dtype)[:, None]
     labels = None
     iterations = 0
     for iterations in range(1, max_iter + 1):
-        distances = torch.cdist(feats, centroids)  # d_{i,p} = ||c_i - c^_p||_2; (n, k); Eq. 10
-        new_labels = balanced_assignment(distances, capacities)  # Eq. 11 / 13
+        # d_{i,p} = ||c_i - c^_p||_2 (Eq. 10), as |c|^2 + |c^|^2 - 2 c.c^ (one matmul; cdist is slow here)
+        sq = sq_norms + centroids.pow(2).sum(dim=1) - 2 * feats @ centroids.T  # (n, k)
+        new_labels = balanced_assignment(sq.clamp_min_(0).sqrt_(), capacities)  # Eq. 11 / 13
         if labels is not None and torch.equal(new_labels, labels):
             break
         labels = new_labels
-        for p in range(len(capacities)):  # Eq. 12 / 14: every cluster is non-empty by construction
-            centroids[p] = feats[labels == p].mean(dim=0)
+        members = torch.nn.functional.one_hot(labels, len(capacities)).T.to(feats.dtype)  # (k, n)
+        centroids = members @ feats / sizes  # Eq. 12 / 14: member means (clusters are never empty)
     return labels, centroids, iterations
 
 

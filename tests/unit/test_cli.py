@@ -1,0 +1,76 @@
+"""The command line contract: convert, eval, methods, and clear errors before heavy work."""
+
+import json
+
+import pytest
+
+from moeify.cli.main import main
+
+
+def test_methods_lists_every_method_with_paper_and_options(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "cmoe:" in out and "arXiv:2502.04416" in out and "top_k" in out and "spec" in out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "cmoe"
+    assert main(["convert", "--method", "cmoe", "--out", str(out), "--set", "spec=S1A1E8"]) == 0
+    return out
+
+
+def test_convert_writes_model_and_record(converted):
+    record = json.loads((converted / "record.json").read_text())
+    assert record["method"] == "cmoe"
+    assert record["config"]["num_experts"] == 8 and record["config"]["top_k"] == 1
+    for key in ("dense_ppl", "ppl", "eval_tokens"):
+        assert record["metrics"][key] > 0
+    assert record["active"]["mlp_ratio"] == pytest.approx(0.25, abs=0.01)
+    assert 0 < record["active"]["apr"] < 1 and record["active"]["active_params"] < record["active"]["total_params"]
+    assert record["timings"]["convert_s"] > 0 and record["speed"]["dense_tokens_per_s"] > 0
+    assert {"torch", "transformers", "moeify"} <= set(record["versions"])
+    assert (converted / "model.safetensors").is_file() and (converted / "modeling_moeify.py").is_file()
+
+
+def test_eval_with_runtime_top_k(converted, tmp_path, capsys):
+    record = json.loads((converted / "record.json").read_text())
+    assert main(["eval", str(converted), "--json", str(tmp_path / "e.json")]) == 0
+    first = json.loads((tmp_path / "e.json").read_text())
+    assert first["ppl"]["tinystories_eval"] == pytest.approx(record["metrics"]["ppl"], rel=1e-6)
+    assert main(["eval", str(converted), "--set", "top_k=7", "--json", str(tmp_path / "all.json")]) == 0
+    every = json.loads((tmp_path / "all.json").read_text())
+    assert every["active"]["mlp_ratio"] == pytest.approx(1.0)
+    assert every["ppl"]["tinystories_eval"] == pytest.approx(record["metrics"]["dense_ppl"], rel=1e-4)
+    assert "perplexity tinystories_eval" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["convert", "--method", "nope", "--out", "{tmp}/o"], "unknown method 'nope'; available: cmoe"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "top_k=9"], "top_k=9 must be <= the routed"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "spec=S8A1E8"], "num_shared=8 must be < num_experts=8"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--calib", "{tmp}/none.txt"], "does not exist"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--calib", "{tmp}/empty.txt"], "holds no text"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "seq_len=4096"], "seq_len=4096 must be <= the model's context 512"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "bogus=1"], "unknown option(s) bogus"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/full"], "exists and is not empty"),
+    (["eval", "embedded:stories260K", "--set", "top_k=2"], "apply to converted models only"),
+])
+def test_bad_input_fails_early_with_a_clear_message(argv, message, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_same_calibration_and_evaluation_file_warns(tmp_path, capsys):
+    from importlib import resources
+
+    calib = str(resources.files("moeify.data").joinpath("tinystories_calib.txt"))
+    out = tmp_path / "o"
+    assert main(["convert", "--method", "cmoe", "--out", str(out), "--calib", calib, "--eval", calib,
+                 "--no-speed"]) == 0
+    assert "warning: the calibration and evaluation texts are identical" in capsys.readouterr().err
+    assert json.loads((out / "record.json").read_text())["warnings"]

@@ -1,0 +1,92 @@
+"""Perplexity protocol, activated-parameter accounting checked by hand, calibration data handling."""
+
+import math
+
+import pytest
+import torch
+
+from moeify.calibration.data import DataError, TextSource, calibration_batches, read_text, token_stream
+from moeify.evaluation.perplexity import perplexity
+from moeify.methods.cmoe import CmoeConfig, convert
+from moeify.moe.accounting import activated_parameters, tracking_routing
+from tests.conftest import clone
+from tests.tiny_models import tiny_model
+
+
+def test_perplexity_matches_direct_transformers_computation(stories, eval_text):
+    model, tokenizer = stories
+    result = perplexity(model, tokenizer, eval_text, seq_len=512, batch_size=3)
+    ids = tokenizer(eval_text.text, verbose=False)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), 512):
+            window = torch.tensor(ids[start:start + 512])[None]
+            if window.shape[1] < 2:
+                continue
+            loss = model(input_ids=window, labels=window).loss  # HF mean over the window's shifted tokens
+            total += float(loss) * (window.shape[1] - 1)
+            count += window.shape[1] - 1
+    assert result.tokens == count
+    assert abs(result.nll - total / count) < 1e-5
+    assert result.ppl == pytest.approx(math.exp(total / count))
+    assert 3.0 < result.ppl < 5.0  # stories260K's reported TinyStories loss is about 1.3 nats
+
+
+def test_activated_parameters_by_hand(make_ctx):
+    model = tiny_model("llama", vocab_size=512, max_position_embeddings=256)
+    ctx = make_ctx(model)
+    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
+    d, d_h, layers = 64, 88, 2
+    attn = layers * (d * d + d * 32 + d * 32 + d * d)  # q, k, v (2 kv heads x 16), o; no biases
+    mlp = layers * 3 * d * d_h
+    nominal = activated_parameters(ctx.model, measured=False)
+    active_mlp = layers * 3 * d * (11 + 2 * 11)  # shared 11 neurons + 2 routed experts of 11
+    assert nominal.total_params == attn + mlp
+    assert nominal.active_params == pytest.approx(attn + active_mlp)
+    assert nominal.mlp_ratio == pytest.approx(3 / 8)
+    assert nominal.apr == pytest.approx((attn + active_mlp) / (attn + mlp))
+    assert nominal.router_params == layers * (2 * d * 7 + 7)  # representative gate/up rows + u
+    with tracking_routing(ctx.model) as moe_layers:
+        ctx.model(torch.randint(0, 512, (2, 30)))
+    measured = activated_parameters(ctx.model, measured=True)
+    assert all(layer.stats_tokens == 60 for layer in moe_layers)
+    assert measured.measured and measured.mlp_ratio == pytest.approx(3 / 8)  # equal experts: exact
+
+
+def test_calibration_batches_are_disjoint_windows(tokenizer, calib_text):
+    batches = calibration_batches(calib_text, tokenizer, num_samples=4, seq_len=128, seed=0)
+    stream = token_stream(calib_text, tokenizer)
+    assert batches.shape == (4, 128)
+    starts = [next(i for i in range(0, len(stream), 128) if torch.equal(stream[i:i + 128], b)) for b in batches]
+    assert len(set(starts)) == 4
+    assert torch.equal(batches, calibration_batches(calib_text, tokenizer, 4, 128, seed=0))
+
+
+def test_data_errors_are_clear(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="does not exist"):
+        read_text(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    with pytest.raises(DataError, match="holds no text"):
+        read_text(tmp_path / "empty.txt")
+    with pytest.raises(DataError, match="fewer than calib_samples=100"):
+        calibration_batches(TextSource("short", "Once upon a time " * 50), tokenizer, 100, 64, 0)
+    (tmp_path / "docs.jsonl").write_text('{"text": "a b"}\n{"text": "c"}\n')
+    assert read_text(tmp_path / "docs.jsonl").text == "a b\n\nc"
+    (tmp_path / "bad.jsonl").write_text('{"body": "a"}\n')
+    with pytest.raises(DataError, match="string 'text' field"):
+        read_text(tmp_path / "bad.jsonl")
+
+
+def test_streaming_reproduces_the_models_hidden_states(stories, tokenizer, calib_text):
+    from moeify.arch import DecoderAdapter
+    from moeify.calibration.stream import stream_layers
+
+    model = clone(stories[0])
+    batches = calibration_batches(calib_text, tokenizer, 2, 64, 0)
+    with torch.no_grad():
+        hidden = model(input_ids=batches, output_hidden_states=True).hidden_states
+    adapter = DecoderAdapter(model)
+    for step in stream_layers(model, adapter, batches, device="cpu", batch_size=1):
+        got = torch.cat(step.inputs.hidden)
+        torch.testing.assert_close(got, hidden[step.index], atol=1e-5, rtol=1e-5)
