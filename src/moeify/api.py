@@ -93,8 +93,8 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
     spec.check(config, model_config)
     context = model_config.max_position_embeddings
     seq_len = eval_seq_len or context
-    if seq_len > context:
-        raise OptionError(f"eval_seq_len={seq_len} must be <= the model's context {context}")
+    if not 2 <= seq_len <= context:
+        raise OptionError(f"eval_seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
 
     torch.manual_seed(seed)
     dense, tokenizer = load_model(model, device)
@@ -142,7 +142,10 @@ def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | No
     """Perplexity per data file and the activated ratios measured on that data."""
     set_runtime_options(model, runtime_options or {})
     sources = [read_text(d) for d in (data or [EMBEDDED_EVAL])]
-    seq_len = seq_len or model.config.max_position_embeddings
+    context = model.config.max_position_embeddings
+    seq_len = seq_len or context
+    if not 2 <= seq_len <= context:
+        raise OptionError(f"seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
     results: dict[str, Any] = {"ppl": {}, "eval": {}}
     with tracking_routing(model):
         for source in sources:

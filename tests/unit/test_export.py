@@ -18,6 +18,11 @@ from tests.tiny_models import FAMILY_NAMES, tiny_model
 IDS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
 
 
+def model_dense_logits(family: str) -> torch.Tensor:
+    with torch.no_grad():
+        return tiny_model(family, vocab_size=512, max_position_embeddings=256)(IDS).logits
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_save_then_load_gives_identical_logits(family, make_ctx, tokenizer, tmp_path):
     model = tiny_model(family, vocab_size=512, max_position_embeddings=256)
@@ -36,6 +41,10 @@ def test_save_then_load_gives_identical_logits(family, make_ctx, tokenizer, tmp_
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
         assert type(remote).__module__.startswith("transformers_modules")
         assert torch.equal(remote(IDS).logits, expected)
+        if family != "llama":  # (u was perturbed above for llama)
+            loaded = moeify.load(out)
+            moeify.set_runtime_options(loaded, {"top_k": 7})
+            torch.testing.assert_close(loaded(IDS).logits, model_dense_logits(family), atol=1e-4, rtol=0)
 
 
 def test_remote_code_needs_no_moeify(make_ctx, tokenizer, tmp_path):
