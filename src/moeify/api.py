@@ -32,6 +32,11 @@ def _model_path(model: str | Path | None) -> str:
     return str(model)
 
 
+def _check_device(device: str) -> None:
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use --device cpu")
+
+
 def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
     """Load a folder written by ``save`` (moeify's native format) with moeify's runtime classes."""
     return load_native(Path(path), device)
@@ -40,6 +45,7 @@ def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
 def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[PreTrainedModel, Any]:
     """(model, tokenizer) from a converted folder, a dense local folder or hub name, or the embedded
     default (``None``)."""
+    _check_device(device)
     path = _model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if Path(path).is_dir() and is_native_folder(Path(path)):
@@ -96,6 +102,7 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
     if not 2 <= seq_len <= context:
         raise OptionError(f"eval_seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
 
+    _check_device(device)
     torch.manual_seed(seed)
     dense, tokenizer = load_model(model, device)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)

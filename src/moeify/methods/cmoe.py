@@ -176,7 +176,7 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
             step.run()
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs])  # X: (q, d)
         mlp = adapter.mlp(step.index)
-        carving = carve(atopk_markers(mlp, x, cfg.ka), cfg, generator)
+        carving = carve(atopk_markers(mlp, x, cfg.ka).cpu(), cfg, generator)  # profiling on device, grouping on CPU
         adapter.replace_mlp_(step.index, build_layer(mlp, carving, cfg).to(x.device))
         layers.append({"layer": step.index, "kmeans_iterations": carving.iterations,
                        "expert_sizes": [e.numel() for e in carving.partition.experts],

@@ -128,7 +128,7 @@ class RepresentativeRouter(nn.Module):
     @torch.no_grad()
     def update_bias(self, counts: Tensor) -> None:
         """Eq. 33: lower the bias of overloaded experts by gamma, raise it for underloaded ones."""
-        load = counts.float()
+        load = counts.to(self.bias.device).float()
         self.bias -= self.bias_speed * torch.sign(load - load.mean())
 
 
