@@ -4,7 +4,7 @@ Counted over the projections of attention and MLP (weights and biases), as MoRE'
 activated-parameter ratio: APR = (P_attn + E[P_act,mlp]) / (P_attn + P_mlp); embeddings, norms and the
 LM head are outside both numerator and denominator. E[P_act,mlp] is the shared part plus the experts
 a token is routed to, averaged over the tokens the layers actually saw (``measured``), or under
-uniform routing with the routers' top-k (``nominal``, the papers' (S+A)/E). Router parameters are not
+uniform routing with the routers' nominal expert count (``nominal``, e.g. CMoE's (S+A)/E). Router parameters are not
 part of the dense model, so they are reported separately (``router_params``) and not counted in APR,
 as in CMoE's and MoRE's definitions.
 """
@@ -39,7 +39,7 @@ def moe_layer_counts(layer: MoeMLP, measured: bool) -> tuple[int, float, int]:
     if measured and layer.stats_tokens:
         routed = sum(c * w for c, w in zip(layer.stats_expert_tokens.tolist(), widths)) / layer.stats_tokens
     else:
-        routed = layer.router.top_k * sum(widths) / len(widths)
+        routed = layer.router.expected_experts() * sum(widths) / len(widths)
     router = sum(p.numel() for p in layer.router.parameters())
     return dense, (shared + routed) * per + bias, router
 

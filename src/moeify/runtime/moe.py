@@ -5,6 +5,9 @@ next to every converted model, so ``AutoModelForCausalLM.from_pretrained(dir, tr
 runs exactly this code, with or without moeify installed.
 
 Design (after torchtune's MoE): ``MoeMLP(experts=, router=, shared=)`` is built by composition. A router
+is an ``nn.Module`` with ``kind`` (its key in ``ROUTERS``), ``num_experts``, ``forward(x) -> Dispatch``,
+``expected_experts()`` (routed experts per token under its nominal assumption), ``set_option(name,
+value)`` for runtime options and ``spec()`` (constructor arguments, rebuilt by ``build_moe_mlp``). It
 returns a ``Dispatch``: a flat list of (token, expert, weight) triples sorted by expert, plus per-expert
 counts from ``torch.bincount`` (which, unlike ``histc``, works for integers on CPU). The layer then runs
 each expert on exactly the tokens routed to it: real sparse compute, never a mask over a dense product.
@@ -111,6 +114,10 @@ class RepresentativeRouter(nn.Module):
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k,
                 "bias_speed": self.bias_speed}
+
+    def expected_experts(self) -> float:
+        """Routed experts per token under the router's nominal (uniform-routing) assumption."""
+        return float(self.top_k)
 
     def set_option(self, name: str, value: Any) -> None:
         if name != "top_k":
