@@ -52,3 +52,16 @@ def shared_assets() -> Path:
 
 def clone(model):
     return copy.deepcopy(model).eval()
+
+
+EMBEDDED_PARAGRAPHS = 567  # tinystories_calib.txt + tinystories_eval.txt are paragraphs [0, 567) of the dev file
+
+
+@pytest.fixture(scope="session")
+def held_out(shared_assets, tmp_path_factory) -> Path:
+    """600 TinyStories paragraphs from ../shared that are in neither embedded slice (never calibrated on)."""
+    text = (shared_assets / "data" / "tinystories" / "tinystories_valid_dev.txt").read_text()
+    paragraphs = text.split("\n\n")[EMBEDDED_PARAGRAPHS:]
+    path = tmp_path_factory.mktemp("heldout") / "tinystories_heldout.txt"
+    path.write_text("\n\n".join(paragraphs[:600]))
+    return path

@@ -1,20 +1,9 @@
 """CMoE on the real stories260K checkpoint, evaluated on held-out TinyStories text from ../shared
-(the part of the staged validation file after the two slices embedded in the package)."""
+(the ``held_out`` fixture: paragraphs of the staged validation file after the embedded slices)."""
 
 import pytest
 
 import moeify
-
-EMBEDDED_PARAGRAPHS = 567  # tinystories_calib.txt + tinystories_eval.txt are paragraphs [0, 567)
-
-
-@pytest.fixture(scope="module")
-def held_out(shared_assets, tmp_path_factory):
-    text = (shared_assets / "data" / "tinystories" / "tinystories_valid_dev.txt").read_text()
-    paragraphs = text.split("\n\n")[EMBEDDED_PARAGRAPHS:]
-    path = tmp_path_factory.mktemp("heldout") / "tinystories_heldout.txt"
-    path.write_text("\n\n".join(paragraphs[:600]))
-    return path
 
 
 @pytest.mark.parametrize("spec", ["S1A1E8", "S2A2E16"])

@@ -35,11 +35,17 @@ def moe_layer_counts(layer: MoeMLP, measured: bool) -> tuple[int, float, int]:
     widths = [e.width for e in layer.experts]
     shared = 0 if layer.shared is None else layer.shared.width
     bias = 0 if layer.down_bias is None else layer.down_bias.numel()
-    dense = (shared + sum(widths)) * per + bias
+    dense = layer.dense_width * per + bias
+    if layer.router is None:
+        return dense, shared * per + bias, 0
     if measured and layer.stats_tokens:
         routed = sum(c * w for c, w in zip(layer.stats_expert_tokens.tolist(), widths)) / layer.stats_tokens
     else:
-        routed = layer.router.expected_experts() * sum(widths) / len(widths)
+        expected = layer.router.expected_experts()
+        if expected is None:
+            raise ValueError(f"the {layer.router.kind} router has no nominal expert count; measure the routing "
+                             "on data first (tracking_routing)")
+        routed = expected * sum(widths) / len(widths)
     router = sum(p.numel() for p in layer.router.parameters())
     return dense, (shared + routed) * per + bias, router
 
@@ -83,6 +89,15 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
     return ActiveParams(total_params=int(total), active_params=attn + mlp_active, apr=(attn + mlp_active) / total,
                         mlp_ratio=mlp_active / mlp_dense, router_params=router,
                         per_layer_mlp_ratio=per_layer, measured=any_measured)
+
+
+def nominal_activated_parameters(model: nn.Module) -> ActiveParams | None:
+    """``activated_parameters`` under the routers' nominal expert counts; None when a router has none
+    (its expert count depends on the data, like DSMoE's threshold router)."""
+    routers = [layer.router for layer in moe_layers(model) if layer.router is not None]
+    if any(router.expected_experts() is None for router in routers):
+        return None
+    return activated_parameters(model, measured=False)
 
 
 def moe_layers(model: nn.Module) -> list[MoeMLP]:

@@ -1,0 +1,199 @@
+"""MoRE: Less Prune, MoRE Experts — Recognizing and Restructuring Latent Experts (Zhang et al.).
+
+Per converted layer, from calibration activations streamed one decoder layer at a time:
+
+1. Statistics (§2.2, Eq. 3-7): activation channel sets S(t) = TopK(|h|, k_act), k_act =
+   max(1, floor(act_ratio m)); frequency f, co-activation C and the mean squares E[x^2], E[h^2],
+   accumulated on the fly (``CoActivation``: memory O(m^2)).
+2. Backbone (Eq. 8): the k_share channels of largest importance s_j (Eq. 7). The paper writes Eq. 7
+   for the up projection only ("we will not consider gate projections"); gated MLPs use W_up alone.
+3. Petals: spectral clustering of C over the non-shared channels with its diagonal zeroed into r
+   clusters; experts E_i = S_i U C_share. Petal sizes are bounded to [min_size_ratio, max_size_ratio]
+   x the mean petal size (§E.5 fixes such a range without giving it): oversize petals shed their
+   least-linked channels, undersize ones take the best-linked channels of petals that can spare them
+   (``bound_cluster_sizes``).
+4. Routing (§2.3, Eq. 9-13): calibration tokens are assigned to the expert of largest activation energy
+   |h_{E_i}|_2 / |E_i|^alpha; each expert's prototype mu_i is the mean MLP input x of its tokens; at
+   inference the token goes to the expert of largest cosine similarity (top-1, unit weight). An expert
+   no calibration token chose keeps a zero prototype (similarity 0).
+5. Layer selection and budget (§E.4, F.2): see ``more_budget``; the achieved PR (uniform routing) is
+   recorded.
+
+The layer is an ``MoeMLP`` whose shared part is the backbone and whose experts are the petals, so only
+the backbone and the chosen petal are computed.
+
+Variants (§E.1-E.3): ``backbone`` keeps, statically, the top channels by importance at the same
+budget (k_share + mean petal size per layer: MoRE-Backbone); ``random`` replaces the spectral petals by
+random ones of the same sizes, routing built the same way (MoRE-Random as the issue defines it; the
+paper's Table 6 instead routes randomly); ``naive`` spectrally clusters all channels of a layer into
+n_c disjoint experts with no backbone, routed top-1 like MoRE, with n_c (closest to r) and the number
+of converted layers solved so that its PR matches the full variant's (Table 10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedConfig
+
+from moeify.arch.mlp import MlpWeights
+from moeify.calibration.data import calibration_batches
+from moeify.calibration.hooks import capture_inputs
+from moeify.calibration.observers import CoActivation
+from moeify.calibration.stream import stream_layers
+from moeify.methods.base import ConversionContext, Method
+from moeify.methods.more_budget import Budget, LayerShape, candidate_layers, solve_budget, solve_naive_budget
+from moeify.methods.options import OptionError, option
+from moeify.moe.build import expert_mlp, moe_from_partition
+from moeify.moe.partition import ExpertPartition, random_partition
+from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
+from moeify.runtime.moe import MoeMLP, PrototypeRouter
+
+
+@dataclass(frozen=True)
+class MoreConfig:
+    num_experts: int = option(4, "r: petals (routed experts) per layer", low=2)
+    act_ratio: float = option(0.1, "rho_act: share of channels in each token's activation set", low=0.0, high=1.0,
+                              low_open=True)
+    share_ratio: float | None = option(None, "rho_share: backbone share; default: solved from target_pr",
+                                       low=0.0, high=1.0, low_open=True)
+    alpha: float = option(0.5, "alpha of the activation energy (Eq. 9)", low=0.0, high=1.0)
+    layers: str = option("middle-deep", "middle-deep | uniform | early-middle | a list like 1,2,3")
+    target_pr: float | None = option(0.2, "target pruning rate PR = 1 - APR (Eq. 17); none with share_ratio",
+                                     low=0.0, high=1.0, low_open=True)
+    calib_samples: int = option(100, "calibration sequences (§D.1: 100 is enough)", low=1)
+    seq_len: int = option(256, "calibration sequence length", low=2)
+    min_size_ratio: float = option(0.5, "smallest petal / mean petal size (§E.5)", low=0.0, high=1.0, low_open=True)
+    max_size_ratio: float = option(1.5, "largest petal / mean petal size (§E.5)", low=1.0)
+    variant: Literal["full", "backbone", "random", "naive"] = option("full", "ablation (Tables 6, 10, 11)")
+
+    def __post_init__(self) -> None:
+        if (self.share_ratio is None) == (self.target_pr is None):
+            raise OptionError(f"share_ratio={self.share_ratio} and target_pr={self.target_pr}: set exactly one "
+                              "(target_pr=none to fix share_ratio yourself)")
+        if self.act_ratio == 1.0:
+            raise OptionError("act_ratio=1.0 is out of range; allowed: (0, 1)")
+
+    def check(self, model_config: PreTrainedConfig) -> None:
+        m, context = model_config.intermediate_size, model_config.max_position_embeddings
+        candidate_layers(self.layers, model_config.num_hidden_layers)  # raises on a bad list
+        if self.num_experts > m - 1:
+            raise OptionError(f"num_experts={self.num_experts} must be <= the non-shared channels ({m - 1})")
+        if self.seq_len > context:
+            raise OptionError(f"seq_len={self.seq_len} must be <= the model's context {context}")
+
+
+def importance(mlp: MlpWeights, stats: CoActivation) -> Tensor:
+    """s_j = sum_i |W_up[j,i]| E[x_i^2] + sum_k |W_down[k,j]| E[h_j^2]  (Eq. 7)."""
+    up, down = mlp.up.double().abs().cpu(), mlp.down.double().abs().cpu()
+    return up @ stats.mean_x_sq + down.sum(0) * stats.mean_h_sq
+
+
+def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:
+    """Spectral clusters of the co-activation graph over ``channels`` (diagonal zeroed), sizes bounded."""
+    a = coactivation[channels][:, channels].numpy().copy()
+    np.fill_diagonal(a, 0.0)
+    mean = len(channels) / r
+    low = max(1, int(np.floor(cfg.min_size_ratio * mean)))
+    high = max(int(np.ceil(cfg.max_size_ratio * mean)), int(np.ceil(mean)))
+    labels = bound_cluster_sizes(spectral_clusters(a, r, seed=seed), a, r, low, high)
+    return [channels[torch.from_numpy(np.flatnonzero(labels == i))] for i in range(r)]
+
+
+class _PrototypeAccumulator:
+    """Eq. 9-11: assign tokens to the expert of largest activation energy, sum their inputs."""
+
+    def __init__(self, mlp: MlpWeights, experts: list[Tensor], alpha: float) -> None:
+        self.mlp, self.alpha = mlp, alpha
+        self.members = [e.to(mlp.up.device) for e in experts]
+        self.sums = torch.zeros(len(experts), mlp.hidden_size, dtype=torch.float64)
+        self.counts = torch.zeros(len(experts), dtype=torch.float64)
+
+    def update(self, x: Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        h = self.mlp.hidden(x)
+        energy = torch.stack([h[:, e].norm(dim=1) / e.numel() ** self.alpha for e in self.members], dim=1)
+        onehot = torch.nn.functional.one_hot(energy.argmax(dim=1), len(self.members)).double().cpu()
+        self.sums += onehot.T @ x.double().cpu()
+        self.counts += onehot.sum(0)
+
+    def prototypes(self) -> Tensor:
+        return self.sums / self.counts.clamp_min(1)[:, None]  # mu_i; Eq. 11 (zero if no token chose i)
+
+
+def _routed_layer(mlp: MlpWeights, shared: Tensor, experts: list[Tensor], prototypes: Tensor) -> MoeMLP:
+    router = PrototypeRouter(mlp.hidden_size, len(experts), top_k=1)
+    router.prototypes.copy_(prototypes.float())
+    return moe_from_partition(mlp, ExpertPartition(shared, tuple(e.sort().values for e in experts)), router)
+
+
+def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreConfig, seed: int) -> tuple[MoeMLP, dict]:
+    """Build one MoRE layer; ``step_run`` replays the layer over the calibration batches while
+    ``capture(observe)`` feeds the MLP inputs to ``observe``. For ``naive``, ``k_share`` is the number
+    of disjoint clusters."""
+    m, r = mlp.intermediate_size, cfg.num_experts
+    stats = CoActivation(mlp.hidden_size, m, max(1, int(cfg.act_ratio * m)))  # k_act; Eq. 4
+    with capture(lambda x: stats.update(x, mlp.hidden(x))):
+        step_run()
+    score = importance(mlp, stats)
+    order = score.argsort(descending=True)
+    generator = torch.Generator().manual_seed(seed)
+    info: dict[str, Any] = {}
+    if cfg.variant == "backbone":
+        keep = order[:k_share + round((m - k_share) / r)].sort().values  # same budget, static
+        down_bias = None if mlp.down_bias is None else mlp.down_bias.detach().clone()
+        layer = MoeMLP([], None, expert_mlp(mlp.select(keep)), down_bias, dense_width=m)
+        return layer.to(mlp.up.dtype), {"backbone": keep.numel()}
+    if cfg.variant == "naive":
+        shared, groups = order[:0], petals(stats.coactivation, torch.arange(m), k_share, cfg, seed)
+    else:
+        shared, rest = order[:k_share].sort().values, order[k_share:].sort().values
+        groups = petals(stats.coactivation, rest, r, cfg, seed)  # C_R with zeroed diagonal
+        if cfg.variant == "random":
+            groups = list(random_partition(rest, [g.numel() for g in groups], generator))
+    accumulator = _PrototypeAccumulator(mlp, [torch.cat([shared, g]) for g in groups], cfg.alpha)  # E_i
+    with capture(accumulator.update):
+        step_run()
+    layer = _routed_layer(mlp, shared, groups, accumulator.prototypes())
+    info.update({"backbone": shared.numel(), "petal_sizes": [g.numel() for g in groups],
+                 "calib_tokens_per_expert": accumulator.counts.long().tolist()})
+    return layer, info
+
+
+def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
+    adapter, config = ctx.adapter, ctx.model.config
+    shapes = {i: LayerShape(adapter.mlp(i).intermediate_size, adapter.mlp(i).params_per_neuron())
+              for i in range(adapter.num_layers)}
+    total = sum(adapter.attention_params(i) + adapter.dense_mlp_params(i) for i in range(adapter.num_layers))
+    candidates = candidate_layers(cfg.layers, config.num_hidden_layers)
+    budget: Budget = solve_budget(candidates, shapes, cfg.num_experts, total, cfg.target_pr, cfg.share_ratio)
+    if cfg.variant == "naive":  # k_share carries the cluster count of each naive layer
+        layers_, clusters, pr = solve_naive_budget(candidates, shapes, cfg.num_experts, total, budget.pruning_rate)
+        budget = Budget(layers_, {i: clusters for i in layers_}, pr)
+    batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, cfg.seq_len, ctx.seed)
+    layers = []
+    steps = stream_layers(ctx.model, adapter, batches, device=ctx.device, batch_size=8)
+    for step in tqdm(steps, total=adapter.num_layers, desc="more: recognising experts", disable=not ctx.progress):
+        if step.index not in budget.layers:
+            continue
+        mlp = adapter.mlp(step.index)
+        capture = lambda observe: capture_inputs(adapter.mlp_module(step.index), observe)  # noqa: E731
+        layer, info = convert_layer(step.run, capture, mlp, budget.backbone[step.index], cfg, ctx.seed + step.index)
+        adapter.replace_mlp_(step.index, layer.to(mlp.up.device))
+        layers.append({"layer": step.index, **info})
+    return {"layers": layers, "converted_layers": budget.layers, "pruning_rate_uniform": budget.pruning_rate,
+            "calibration": {"samples": cfg.calib_samples, "seq_len": cfg.seq_len, "tokens": int(batches.numel())}}
+
+
+MORE = Method(
+    name="more",
+    paper="Zhang et al., Less Prune, MoRE Experts: Recognizing and Restructuring Latent Experts for Model Compression",
+    summary="training-free: co-activation backbone + spectral petals, cosine-prototype routing, layer budget",
+    config_cls=MoreConfig,
+    convert=convert,
+)
