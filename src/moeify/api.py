@@ -20,7 +20,8 @@ from moeify.export.io import atomic_dir, check_output_dir
 from moeify.export.native import is_native_folder, load_native, save_native
 from moeify.methods import ConversionContext, get_method
 from moeify.methods.options import OptionError, build_config
-from moeify.moe.accounting import activated_parameters, moe_layers, tracking_routing
+from moeify.moe.accounting import activated_parameters, moe_layers, nominal_activated_parameters, tracking_routing
+from moeify.moe.routing import routing_summary
 
 EMBEDDED_MODEL = "embedded:stories260K"
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
@@ -61,15 +62,32 @@ def set_runtime_options(model: PreTrainedModel, options: dict[str, Any]) -> None
         raise OptionError("runtime options (--set) apply to converted models only; this model has no MoE layers")
     for name, value in options.items():
         for layer in layers:
-            layer.router.set_option(name, value)
+            if layer.router is not None:  # statically narrowed layers have no runtime options
+                layer.router.set_option(name, value)
 
 
 @dataclass
 class ConversionResult:
+    """The converted model, its record, and ``artifacts``: extra files (name -> bytes, e.g. PNG plots)
+    that ``save`` writes next to the model."""
+
     model: PreTrainedModel
     tokenizer: Any
     record: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    artifacts: dict[str, bytes] = field(default_factory=dict)
+
+
+def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:
+    """The per-layer routing JSD plot (MoRE Fig. 2 style) for any model with routed layers."""
+    if not routing:
+        return {}
+    from moeify.evaluation.plots import per_layer_bars
+
+    labels = [entry["layer"].split(".")[-2] if "." in entry["layer"] else entry["layer"] for entry in routing]
+    png = per_layer_bars(labels, [entry["jsd"] for entry in routing], ylabel="JSD to uniform (bits)",
+                         title="Routing JSD from uniform (Eq. 18)")
+    return {"routing_jsd.png": png}
 
 
 def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: TextSource, seq_len: int,
@@ -82,10 +100,13 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
 
 def convert(model: str | Path | None = None, method: str = "cmoe", options: dict[str, Any] | None = None, *,
             calib: str | Path | None = None, eval: str | Path | None = None, seed: int = 0, device: str = "cpu",
-            eval_seq_len: int | None = None, measure_speed: bool = True, progress: bool = False) -> ConversionResult:
+            eval_seq_len: int | None = None, measure_speed: bool = True, progress: bool = False,
+            work_dir: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
-    Everything that can be validated is validated before the model's weights are loaded."""
+    ``work_dir`` is where a method keeps state across runs (training checkpoints to resume from); the
+    CLI uses ``<out>.work`` beside the output folder. Everything that can be validated is validated
+    before the model's weights are loaded."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
     calib_source = read_text(calib or EMBEDDED_CALIB)
@@ -106,12 +127,22 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
     torch.manual_seed(seed)
     dense, tokenizer = load_model(model, device)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
-    ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress)
+    ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress,
+                            work_dir=None if work_dir is None else Path(work_dir))
     start = time.perf_counter()
     details = spec.convert(ctx, config)
     convert_s = time.perf_counter() - start
     moe = ctx.model.eval()
     quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)
+    routing = routing_summary(moe)  # the evaluation pass tracked the routing
+    active = activated_parameters(moe, measured=True).as_dict()
+    nominal = nominal_activated_parameters(moe)
+    timings = {"convert_s": convert_s}
+    if spec.analyze is not None:  # after the common measurements: analyses may re-route and re-measure
+        start = time.perf_counter()
+        details["analysis"] = spec.analyze(ctx, config, [eval_source], seq_len)
+        timings["analysis_s"] = time.perf_counter() - start
+    artifacts = {**_routing_artifacts(routing), **ctx.artifacts}
     record = {
         "method": spec.name,
         "paper": spec.paper,
@@ -121,17 +152,19 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
                  "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
         "metrics": {"dense_ppl": dense_quality["ppl"], "ppl": quality["ppl"], "eval_tokens": quality["tokens"],
                     "dense_eval": dense_quality, "eval": quality},
-        "active": activated_parameters(moe, measured=True).as_dict(),
-        "nominal_active": activated_parameters(moe, measured=False).as_dict(),
+        "active": active,
+        "nominal_active": None if nominal is None else nominal.as_dict(),
+        "routing": routing,
         "speed": None if speed is None else {
             "batch_size": SPEED_SHAPE[0], "seq_len": SPEED_SHAPE[1], "dense_tokens_per_s": dense_speed,
             "tokens_per_s": speed, "speedup": speed / dense_speed},
-        "timings": {"convert_s": convert_s},
+        "timings": timings,
+        "artifacts": sorted(artifacts),
         "details": details,
         "versions": library_versions(),
         "warnings": warnings,
     }
-    return ConversionResult(moe, tokenizer, record, warnings)
+    return ConversionResult(moe, tokenizer, record, warnings, artifacts)
 
 
 def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -141,6 +174,8 @@ def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) 
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_native(result.model, tmp, result.tokenizer, method=result.record["method"])
         write_record(result.record, tmp / RECORD_NAME)
+        for name, content in result.artifacts.items():
+            (tmp / name).write_bytes(content)
     return out
 
 

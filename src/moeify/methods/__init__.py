@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from moeify.methods.base import ConversionContext, Method
 from moeify.methods.cmoe import CMOE
+from moeify.methods.dsmoe import DSMOE
+from moeify.methods.more import MORE
 
-METHODS: tuple[Method, ...] = (CMOE,)
+METHODS: tuple[Method, ...] = (CMOE, MORE, DSMOE)
 
 
 def get_method(name: str) -> Method:

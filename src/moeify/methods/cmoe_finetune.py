@@ -12,7 +12,7 @@ from torch import nn
 
 from moeify.calibration.data import token_stream
 from moeify.moe.accounting import moe_layers
-from moeify.training.loop import random_windows, train_lm
+from moeify.training.loop import TrainPlan, train
 
 if TYPE_CHECKING:
     from moeify.methods.base import ConversionContext
@@ -42,7 +42,6 @@ def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str,
     optimizer = torch.optim.Adam([{"params": lora_params, "lr": cfg.lr}, {"params": scales, "lr": cfg.u_lr}],
                                  betas=(0.9, 0.95))
     stream = token_stream(ctx.calib, ctx.tokenizer)
-    generator = torch.Generator().manual_seed(ctx.seed + 1)
 
     def balance() -> None:  # Eq. 33, from the tokens each expert received in this step
         for layer in layers:
@@ -53,9 +52,9 @@ def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str,
         layer.reset_stats()
         layer.track_stats = True
     try:
-        log = train_lm(peft_model, optimizer, lambda: random_windows(stream, seq_len, cfg.finetune_batch_size, generator),
-                       cfg.finetune_steps, device=ctx.device, after_step=balance, progress=ctx.progress,
-                       desc="cmoe: fine-tuning")
+        plan = TrainPlan(steps=cfg.finetune_steps, batch_size=cfg.finetune_batch_size, seq_len=seq_len)
+        log = train(peft_model, optimizer, stream, plan, seed=ctx.seed + 1, device=ctx.device, after_step=balance,
+                    progress=ctx.progress, desc="cmoe: fine-tuning")
     finally:
         for layer in layers:
             layer.track_stats = False

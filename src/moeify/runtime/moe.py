@@ -49,6 +49,23 @@ class Dispatch:
             counts=torch.bincount(flat_expert, minlength=num_experts),
         )
 
+    @staticmethod
+    def from_mask(active: Tensor, weights: Tensor) -> "Dispatch":
+        """active: (tokens, experts) bool, any number of experts per token (none included); weights:
+        (tokens, experts), read where active -> flat pairs sorted by expert (then token)."""
+        expert, token = active.T.nonzero(as_tuple=True)  # row-major order of (expert, token): sorted by expert
+        return Dispatch(token=token, expert=expert, weight=weights[token, expert],
+                        counts=torch.bincount(expert, minlength=active.shape[1]))
+
+
+def set_top_k(router: nn.Module, name: str, value: Any) -> None:
+    """The runtime option of every top-k router: ``top_k`` in [1, num_experts]."""
+    if name != "top_k":
+        raise KeyError(f"router option {name!r} is unknown; options: top_k")
+    if not 1 <= int(value) <= router.num_experts:
+        raise ValueError(f"top_k={value} must be in [1, {router.num_experts}] (the routed experts)")
+    router.top_k = int(value)
+
 
 class HiddenNeurons(nn.Module):
     """The input half of a set of MLP neurons: ``h = act(x Wg + bg) * (x Wu + bu)`` (gated) or
@@ -120,11 +137,7 @@ class RepresentativeRouter(nn.Module):
         return float(self.top_k)
 
     def set_option(self, name: str, value: Any) -> None:
-        if name != "top_k":
-            raise KeyError(f"router option {name!r} is unknown; options: top_k")
-        if not 1 <= int(value) <= self.num_experts:
-            raise ValueError(f"top_k={value} must be in [1, {self.num_experts}] (the routed experts)")
-        self.top_k = int(value)
+        set_top_k(self, name, value)
 
     def forward(self, x: Tensor) -> Dispatch:
         scores = torch.softmax(self.neurons(x).float(), dim=-1)  # s' (tokens, experts); Eq. 29
@@ -139,23 +152,61 @@ class RepresentativeRouter(nn.Module):
         self.bias -= self.bias_speed * torch.sign(load - load.mean())
 
 
-ROUTERS: dict[str, type[nn.Module]] = {RepresentativeRouter.kind: RepresentativeRouter}
+class PrototypeRouter(nn.Module):
+    """MoRE's training-free router (Eq. 12-13): cosine similarity of the token to each expert's
+    prototype mu_i (the mean input of the calibration tokens assigned to it); the ``top_k`` most similar
+    experts run with unit weight (MoRE itself uses top-1)."""
+
+    kind = "prototype"
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.eps = num_experts, top_k, eps
+        self.register_buffer("prototypes", torch.zeros(num_experts, hidden_size))
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k, "eps": self.eps}
+
+    def expected_experts(self) -> float:
+        return float(self.top_k)
+
+    def set_option(self, name: str, value: Any) -> None:
+        set_top_k(self, name, value)
+
+    def similarity(self, x: Tensor) -> Tensor:
+        """sim(x, mu_i) = x.mu_i / (|x| |mu_i| + eps): (tokens, experts); Eq. 13."""
+        dots = x.float() @ self.prototypes.T
+        return dots / (x.float().norm(dim=-1, keepdim=True) * self.prototypes.norm(dim=-1) + self.eps)
+
+    def forward(self, x: Tensor) -> Dispatch:
+        chosen = torch.topk(self.similarity(x), self.top_k, dim=-1).indices  # Eq. 12
+        return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
+
+
+ROUTERS: dict[str, type[nn.Module]] = {RepresentativeRouter.kind: RepresentativeRouter,
+                                       PrototypeRouter.kind: PrototypeRouter}
 
 
 class MoeMLP(nn.Module):
     """Drop-in replacement of a dense MLP: ``shared(x) + sum_e g_e(x) * expert_e(x) + down_bias``.
 
     ``stats`` accumulates, while ``track_stats`` is on, the tokens seen and the tokens per expert, from
-    which moeify measures the activated parameters per token and the expert load.
+    which moeify measures the activated parameters per token and the expert load. With no routed
+    experts (and no router) the layer is a statically narrowed MLP (a pruning baseline); ``dense_width``
+    is the hidden width of the dense MLP it replaces, for parameter accounting.
     """
 
-    def __init__(self, experts: list[ExpertMLP], router: nn.Module, shared: ExpertMLP | None = None,
-                 down_bias: Tensor | None = None) -> None:
+    def __init__(self, experts: list[ExpertMLP], router: nn.Module | None, shared: ExpertMLP | None = None,
+                 down_bias: Tensor | None = None, dense_width: int | None = None) -> None:
         super().__init__()
+        if (router is None) != (not experts) or (shared is None and not experts):
+            raise ValueError("an MoeMLP needs routed experts with a router, or a shared part alone")
         self.experts = nn.ModuleList(experts)
         self.router = router
         self.shared = shared
         self.down_bias = None if down_bias is None else nn.Parameter(down_bias)
+        widths = sum(e.width for e in experts) + (0 if shared is None else shared.width)
+        self.dense_width = widths if dense_width is None else dense_width
         self.track_stats = False
         self.reset_stats()
 
@@ -166,21 +217,22 @@ class MoeMLP(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
-        dispatch = self.router(x)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        counts = dispatch.counts.tolist()
-        start = 0
-        for e, n in enumerate(counts):  # only the experts that received tokens run, on those tokens
-            if n:
-                rows = dispatch.token[start:start + n]
-                y = self.experts[e](x.index_select(0, rows)) * dispatch.weight[start:start + n, None]
-                out = out.index_add(0, rows, y)
-                start += n
-        if self.down_bias is not None:
-            out = out + self.down_bias
+        if self.router is not None:
+            dispatch = self.router(x)
+            start = 0
+            for e, n in enumerate(dispatch.counts.tolist()):  # only routed experts run, on their tokens
+                if n:
+                    rows = dispatch.token[start:start + n]
+                    y = self.experts[e](x.index_select(0, rows)) * dispatch.weight[start:start + n, None]
+                    out = out.index_add(0, rows, y)
+                    start += n
+            if self.track_stats:
+                self.stats_expert_tokens += dispatch.counts.cpu()
         if self.track_stats:
             self.stats_tokens += x.shape[0]
-            self.stats_expert_tokens += dispatch.counts.cpu()
+        if self.down_bias is not None:
+            out = out + self.down_bias
         return out.reshape(shape)
 
     def forward_all_experts(self, hidden_states: Tensor) -> Tensor:
@@ -192,7 +244,7 @@ class MoeMLP(nn.Module):
 
     def spec(self) -> dict[str, Any]:
         """Everything needed to rebuild this layer's structure (the weights come from safetensors)."""
-        first = self.experts[0].neurons
+        first = (self.shared or self.experts[0]).neurons
         return {
             "hidden_size": first.up.in_features,
             "act": first.act_name,
@@ -201,7 +253,8 @@ class MoeMLP(nn.Module):
             "down_bias": self.down_bias is not None,
             "expert_widths": [e.width for e in self.experts],
             "shared_width": 0 if self.shared is None else self.shared.width,
-            "router": self.router.spec(),
+            "dense_width": self.dense_width,
+            "router": None if self.router is None else self.router.spec(),
         }
 
 
@@ -210,11 +263,13 @@ def build_moe_mlp(spec: dict[str, Any]) -> MoeMLP:
     d, act, gated, up_bias = spec["hidden_size"], spec["act"], spec["gated"], spec["up_bias"]
     experts = [ExpertMLP(d, w, act, gated, up_bias) for w in spec["expert_widths"]]
     shared = ExpertMLP(d, spec["shared_width"], act, gated, up_bias) if spec["shared_width"] else None
-    router_spec = dict(spec["router"])
-    router_cls = ROUTERS[router_spec.pop("kind")]
-    router = router_cls(hidden_size=d, act=act, gated=gated, up_bias=up_bias, **router_spec)
+    router = None
+    if spec["router"] is not None:  # router constructors take the layer's shape keywords they need
+        router_spec = dict(spec["router"])
+        router_cls = ROUTERS[router_spec.pop("kind")]
+        router = router_cls(hidden_size=d, act=act, gated=gated, up_bias=up_bias, **router_spec)
     down_bias = torch.zeros(d) if spec["down_bias"] else None
-    return MoeMLP(experts, router, shared, down_bias)
+    return MoeMLP(experts, router, shared, down_bias, dense_width=spec["dense_width"])
 
 
 def install_moe_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
@@ -241,3 +296,70 @@ def moe_causal_lm_class(base_cls: type, config_cls: type | None = None) -> type:
     if config_cls is not None:
         attrs["config_class"] = config_cls
     return type("MoeifyForCausalLM", (base_cls,), attrs)
+
+
+SIGMOID_AT_ZERO = 0.5  # sigma(0): the gate value of an untrained DSMoE gate (Y = 0)
+
+
+def rescaled_gate_weights(values: Tensor, active: Tensor) -> Tensor:
+    """DSMoE's expert weights (tokens, experts) from gate values already thresholded (G(g) of Eq. 7, or
+    its straight-through form S(g) of Eq. 10 while training): ``values * (n / |A|) / sigma(0)``.
+
+    n / |A| is Eq. 8's rescale by the number of active experts (|A| = 0 is taken as 1: a token whose
+    gates all stay at or below tau gets no expert, so its output is zero). 1 / sigma(0) = 2 makes an
+    untrained gate (g = 1/2) neutral, so that with every expert on the layer is the dense MLP."""
+    rescale = active.shape[-1] / active.sum(dim=-1, keepdim=True).clamp_min(1)  # n / |A|; Eq. 8
+    return values * (rescale / SIGMOID_AT_ZERO)
+
+
+class ThresholdRouter(nn.Module):
+    """DSMoE's router (Lv et al., 2025, Eq. 7-8): sigmoid gates g = sigma(x Y), Y in R^{d x n} (stored as
+    ``proj.weight``, (n, d)); expert i runs for a token when g_i > tau, so the number of experts per token
+    varies (none included), weighted by ``rescaled_gate_weights``. ``tau`` is a runtime option; the
+    expert count per token depends on the data, so there is no nominal count (``expected_experts`` is
+    None) and the activated ratio is always measured."""
+
+    kind = "threshold"
+
+    def __init__(self, hidden_size: int, num_experts: int, tau: float = 0.5, **_: Any) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tau = check_tau(tau)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        nn.init.zeros_(self.proj.weight)  # untrained gates: g = 1/2 for every token and expert
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "tau": self.tau}
+
+    def expected_experts(self) -> None:
+        """No nominal count: how many gates pass tau depends on the tokens."""
+        return None
+
+    def set_option(self, name: str, value: Any) -> None:
+        if name != "tau":
+            raise KeyError(f"router option {name!r} is unknown; options: tau")
+        self.tau = check_tau(value)
+
+    def gates(self, x: Tensor) -> Tensor:
+        """g = sigma(x Y): (tokens, experts), in float32; Eq. 7."""
+        return torch.sigmoid(self.proj(x).float())
+
+    def forward(self, x: Tensor) -> Dispatch:
+        gates = self.gates(x)
+        active = gates > self.tau  # the condition of G; Eq. 7
+        weights = rescaled_gate_weights(torch.where(active, gates, 0.0), active)  # Eq. 7-8
+        return Dispatch.from_mask(active, weights.to(x.dtype))
+
+
+def check_tau(value: Any) -> float:
+    """The threshold tau of a sigmoid gate, in [0, 1]."""
+    try:
+        tau = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"tau={value!r} is not a number") from None
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"tau={tau} is out of range; allowed: [0, 1] (a sigmoid gate value)")
+    return tau
+
+
+ROUTERS[ThresholdRouter.kind] = ThresholdRouter

@@ -1,23 +1,87 @@
-"""A small language-modelling training loop: next-token loss on token windows, one optimizer step per
-batch, a progress bar, and a callback after every step (for e.g. load-balancing bias updates)."""
+"""The one training loop of the methods that train (CMoE's light fine-tune, DSMoE's continued training).
+
+Each optimizer step draws ``batch_size`` random windows of ``seq_len`` tokens from the training stream,
+in ``grad_accum`` micro-batches whose gradients add up (each micro-batch loss is divided by
+``grad_accum``, so a step equals one step on the whole batch); then the optimizer steps and
+``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
+the total to minimise under ``"loss"`` and any parts to log).
+
+Deterministic: the windows come from one ``torch.Generator`` seeded with ``seed``. With a
+``Checkpointing``, a checkpoint (model, optimizer, generator and RNG states, the log so far; see
+``checkpoint.py``) is written every ``checkpoint_every`` steps and after the last one; ``resume=True``
+restores the latest one and continues, so a run killed and resumed ends with the same weights as an
+uninterrupted one. The learning rate is constant (no scheduler state to restore), which also makes
+resuming with more ``steps`` the same as having asked for them at first.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+
+LossFn = Callable[[nn.Module, Tensor], dict[str, Tensor]]
+
+
+def lm_loss(model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
+    """Next-token cross-entropy, the mean over the batch's predicted tokens."""
+    return {"loss": model(input_ids=batch, labels=batch, use_cache=False).loss}
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """``steps`` optimizer steps on ``batch_size`` windows of ``seq_len`` tokens, split into ``grad_accum``
+    micro-batches; with checkpointing, a checkpoint every ``checkpoint_every`` steps (0: only the last)."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    grad_accum: int = 1
+    checkpoint_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where checkpoints go, whether to continue the latest one, and the run's fingerprint (the options
+    a resumed run must share with the checkpointed one)."""
+
+    folder: Path
+    fingerprint: dict[str, Any]
+    resume: bool = False
+
 
 @dataclass
 class TrainLog:
     losses: list[float] = field(default_factory=list)
+    parts: dict[str, list[float]] = field(default_factory=dict)  # every logged part, per step
+    resumed_from: int | None = None
 
-    def summary(self) -> dict[str, float | int | list[float]]:
-        return {"steps": len(self.losses), "first_loss": self.losses[0], "last_loss": self.losses[-1],
-                "losses": [round(x, 5) for x in self.losses]}
+    def append(self, values: dict[str, float]) -> None:
+        self.losses.append(values["loss"])
+        for name, value in values.items():
+            if name != "loss":
+                self.parts.setdefault(name, []).append(value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"losses": self.losses, "parts": self.parts}
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": len(self.losses), "first_loss": self.losses[0], "last_loss": self.losses[-1],
+                               "losses": [round(x, 5) for x in self.losses], "resumed_from": self.resumed_from}
+        for name, values in self.parts.items():
+            out[f"first_{name}"], out[f"last_{name}"] = values[0], values[-1]
+        return out
 
 
 def random_windows(stream: Tensor, seq_len: int, batch_size: int, generator: torch.Generator) -> Tensor:
@@ -28,22 +92,52 @@ def random_windows(stream: Tensor, seq_len: int, batch_size: int, generator: tor
     return torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
 
 
-def train_lm(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], Tensor], steps: int, *,
-             device: torch.device, after_step: Callable[[], None] | None = None, progress: bool = True,
-             desc: str = "training") -> TrainLog:
-    """Run ``steps`` optimizer steps of causal-LM loss on batches from ``next_batch``."""
-    log = TrainLog()
+def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+           checkpointing: Checkpointing | None, steps: int) -> tuple[int, TrainLog]:
+    """(first step to run, log so far): 0 and an empty log, or what the latest checkpoint holds."""
+    if checkpointing is None:
+        return 0, TrainLog()
+    if not checkpointing.resume:
+        existing = latest_step(checkpointing.folder)
+        if existing is not None:
+            raise FileExistsError(f"{str(checkpointing.folder)!r} holds a checkpoint at step {existing}; continue it "
+                                  "with resume=true, or delete the folder to start again")
+        return 0, TrainLog()
+    resumed = load_checkpoint(checkpointing.folder, model, optimizer, generator, checkpointing.fingerprint)
+    if resumed.step > steps:
+        raise ValueError(f"the checkpoint is at step {resumed.step}, beyond steps={steps}")
+    log = TrainLog(resumed.log["losses"], resumed.log["parts"], resumed_from=resumed.step)
+    return resumed.step, log
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, plan: TrainPlan, *, seed: int,
+          device: torch.device, loss_fn: LossFn = lm_loss, checkpointing: Checkpointing | None = None,
+          after_step: Callable[[], None] | None = None, progress: bool = True, desc: str = "training") -> TrainLog:
+    """Train ``model`` for ``plan.steps`` optimizer steps (see the module docstring); returns the loss log."""
+    generator = torch.Generator().manual_seed(seed)
+    start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
+    micro = plan.batch_size // plan.grad_accum
     model.train()
-    bar = tqdm(range(steps), desc=desc, disable=not progress)
-    for _ in bar:
-        batch = next_batch().to(device)
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if after_step is not None:
-            after_step()
-        log.losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
-    model.eval()
+    try:
+        bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc, disable=not progress)
+        for step in bar:
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for _ in range(plan.grad_accum):
+                parts = loss_fn(model, random_windows(stream, plan.seq_len, micro, generator).to(device))
+                (parts["loss"] / plan.grad_accum).backward()
+                for name, value in parts.items():
+                    sums[name] = sums.get(name, 0.0) + float(value.detach()) / plan.grad_accum
+            optimizer.step()
+            if after_step is not None:
+                after_step()
+            log.append(sums)
+            bar.set_postfix(loss=f"{sums['loss']:.4f}")
+            done = step + 1
+            if checkpointing is not None and (done == plan.steps or
+                                              (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
+                save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
+                                checkpointing.fingerprint)
+    finally:
+        model.eval()
     return log

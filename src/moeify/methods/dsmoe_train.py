@@ -1,0 +1,136 @@
+"""DSMoE's continued training (§4.2-4.3, §5.2): every model parameter and the gates, LM loss plus the
+sparsity loss, through a dense training device that hardens back into the sparse MoE layers.
+
+During training each MoE layer is wrapped by ``DsmoeTrainingMLP``, which runs every expert on every
+token and weights expert i by the variant's training weight (below). Computing the inactive experts is
+what the straight-through estimator needs: the gradient of gate i is ``<dL/dh, o_i>`` (Eq. 16), whether
+or not expert i contributed. The inactive experts' outputs are multiplied by a zero weight, so their own
+weights receive no gradient (Eq. 13-15). After training the wrappers are removed: the layers are the
+same ``MoeMLP`` + ``ThresholdRouter`` objects, whose forward pass equals the wrapper's (tested).
+
+Training weights (n / |A| and 1 / sigma(0) as in ``rescaled_gate_weights``):
+- ``full``: S(g) = sg(G(g)) + g - sg(g) (Eq. 10-11): forward G(g), gradient as if ungated.
+- ``no_ste``: G(g) (Eq. 7): an expert at or below tau gets no gradient, nor does its gate (Eq. 9, §6.1).
+- ``no_gate``: g / sigma(0) for every expert, no threshold and no rescale (Eq. 20, §6.2); the threshold
+  applies only at inference.
+
+Sparsity loss (Eq. 18-19): the mean over layers, experts and tokens of G(g) (of g for ``no_gate``, which
+has no G), added with ``sparsity_weight`` (1 in Eq. 17/19) to the LM loss, itself a mean over tokens
+(Eq. 2 sums; with both terms per-token means the balance of Eq. 17 holds per token). G is applied
+as written, without the straight-through trick: the sparsity loss pushes down only the gates that are on,
+those that cost compute; the LM gradient, through S, pushes back the gates of useful experts.
+
+Choices the paper leaves open: Y starts at zero at conversion (so the untrained model is the dense one
+for tau < 1/2) and is drawn from N(0, gate_init_std^2) when training starts (the paper's "random
+initialization", §4.2; with Y = 0 every gate would sit exactly at tau = 1/2 and none would pass); AdamW
+with torch's defaults (betas 0.9/0.999, weight decay 0.01) at a constant learning rate; the gates may
+have their own learning rate (``gate_lr``), because at this scale they must move much farther from their
+initialisation than the pre-trained weights should.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from moeify.calibration.data import token_stream
+from moeify.runtime.moe import SIGMOID_AT_ZERO, MoeMLP, rescaled_gate_weights
+from moeify.training.loop import Checkpointing, TrainPlan, lm_loss, train
+
+if TYPE_CHECKING:
+    from moeify.methods.base import ConversionContext
+    from moeify.methods.dsmoe import DsmoeConfig
+
+
+def straight_through(values: Tensor, gates: Tensor) -> Tensor:
+    """S(g) = sg(G(g)) + g - sg(g): the forward value of ``values`` (= G(g)), the gradient of ``gates``; Eq. 10."""
+    return values.detach() + gates - gates.detach()
+
+
+def training_weights(gates: Tensor, tau: float, variant: str) -> Tensor:
+    """Per-token expert weights (tokens, experts) of the variant (module docstring)."""
+    if variant == "no_gate":
+        return gates / SIGMOID_AT_ZERO  # Eq. 20
+    active = gates > tau
+    thresholded = torch.where(active, gates, 0.0)  # G(g); Eq. 7
+    if variant == "full":
+        thresholded = straight_through(thresholded, gates)  # S(g); Eq. 10-11
+    return rescaled_gate_weights(thresholded, active)  # Eq. 8
+
+
+def sparsity_term(gates: Tensor, tau: float, variant: str) -> Tensor:
+    """One layer's share of Eq. 19: the mean over tokens and experts of G(g) (g for ``no_gate``)."""
+    return (gates if variant == "no_gate" else torch.where(gates > tau, gates, 0.0)).mean()
+
+
+class DsmoeTrainingMLP(nn.Module):
+    """Training device around one DSMoE layer: every expert on every token, weighted per the variant.
+    ``sparsity`` holds the layer's sparsity term of the last forward pass."""
+
+    def __init__(self, moe: MoeMLP, variant: str) -> None:
+        super().__init__()
+        self.moe = moe
+        self.variant = variant
+        self.sparsity: Tensor | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
+        router = self.moe.router
+        gates = router.gates(x)  # g = sigma(x Y): (tokens, experts); Eq. 7
+        weights = training_weights(gates, router.tau, self.variant).to(x.dtype)
+        self.sparsity = sparsity_term(gates, router.tau, self.variant)
+        out = sum(weights[:, e, None] * expert(x) for e, expert in enumerate(self.moe.experts))  # Eq. 6-7
+        if self.moe.down_bias is not None:
+            out = out + self.moe.down_bias
+        return out.reshape(shape)
+
+
+def init_gates_(layers: list[MoeMLP], std: float, seed: int) -> None:
+    """Y ~ N(0, std^2) in every layer, from a generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in layers:
+            weight = layer.router.proj.weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) * std)
+
+
+def _fingerprint(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) -> dict[str, Any]:
+    """What a resumed run must share with the checkpointed one (steps may grow: the lr is constant)."""
+    keep = {k: v for k, v in vars(cfg).items() if k not in ("steps", "resume", "checkpoint_every", "analyses")}
+    return {"method": "dsmoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
+            "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
+
+
+def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) -> dict[str, Any]:
+    """Train ``ctx.model`` (whose MLPs are DSMoE layers) in place; returns the training log summary."""
+    adapter = ctx.adapter
+    layers: list[MoeMLP] = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
+    init_gates_(layers, cfg.gate_init_std, ctx.seed)
+    devices = [DsmoeTrainingMLP(layer, cfg.variant) for layer in layers]
+    gate_params = [layer.router.proj.weight for layer in layers]
+    gate_ids = {id(p) for p in gate_params}
+    weights = [p for p in ctx.model.parameters() if id(p) not in gate_ids]
+    optimizer = torch.optim.AdamW([{"params": weights, "lr": cfg.lr}, {"params": gate_params, "lr": cfg.gate_lr}])
+
+    def loss(model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
+        lm = lm_loss(model, batch)["loss"]
+        sparsity = torch.stack([d.sparsity for d in devices]).mean()  # 1/(LN) sum_l sum_n; Eq. 19
+        return {"loss": lm + cfg.sparsity_weight * sparsity, "lm": lm, "sparsity": sparsity}  # Eq. 17
+
+    plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
+                     checkpoint_every=cfg.checkpoint_every)
+    checkpointing = None if ctx.work_dir is None else Checkpointing(
+        ctx.work_dir / "dsmoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
+    for i, device in enumerate(devices):
+        adapter.replace_mlp_(i, device)
+    try:
+        log = train(ctx.model, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
+                    device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
+                    desc=f"dsmoe ({cfg.variant}): training")
+    finally:
+        for i, layer in enumerate(layers):  # harden: the sparse MoE layers again
+            adapter.replace_mlp_(i, layer)
+    return {**log.summary(), "checkpoints": None if checkpointing is None else str(checkpointing.folder)}

@@ -1,0 +1,127 @@
+"""Resumable training checkpoints: tensors in safetensors, everything else in JSON, written atomically.
+
+A checkpoint is a folder ``step-00000120/`` inside the run's checkpoint folder, holding
+
+- ``model.safetensors``: the model's whole state (parameters and buffers, e.g. CMoE's balancing bias),
+  written by ``safetensors.torch.save_model`` (which stores tied weights once);
+- ``optimizer.safetensors``: every tensor of ``optimizer.state_dict()["state"]``, keyed
+  ``"<param index>/<name>"``;
+- ``rng.safetensors``: the state of the data generator and of torch's global CPU (and CUDA) generators;
+- ``state.json``: the step, the loss log so far, the optimizer's ``param_groups`` and non-tensor state,
+  and the run's fingerprint (the options that must match for a resume to continue the same run).
+
+No pickle is involved (``torch.save`` of an optimizer state dict would be one). The folder is written
+under a temporary name and renamed into place when complete (``atomic_dir``), so a process killed while
+writing leaves the previous checkpoint as the latest; older checkpoints are removed after a new one is
+complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from moeify.export.io import atomic_dir
+
+FORMAT_VERSION = 1
+_PREFIX = "step-"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a loaded checkpoint says beyond the tensors it restored."""
+
+    step: int
+    log: dict[str, Any]
+
+
+def _step_dirs(folder: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary folders start with a dot and are never listed)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+
+
+def latest_step(folder: Path) -> int | None:
+    dirs = _step_dirs(Path(folder))
+    return int(dirs[-1].name[len(_PREFIX):]) if dirs else None
+
+
+def _rng_tensors(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    states = {"data": generator.get_state(), "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return states
+
+
+def _split_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """optimizer.state_dict() -> (tensors for safetensors, JSON-able rest)."""
+    full = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, entries in full["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}/{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": full["param_groups"], "scalars": scalars}
+
+
+def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in rest["scalars"].items()}
+    for key, value in tensors.items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    generator: torch.Generator, log: dict[str, Any], fingerprint: dict[str, Any]) -> Path:
+    """Write the checkpoint of ``step`` atomically and remove the older ones."""
+    folder = Path(folder)
+    target = folder / f"{_PREFIX}{step:08d}"
+    optimizer_tensors, optimizer_rest = _split_optimizer(optimizer)
+    with atomic_dir(target, overwrite=True) as tmp:
+        save_model(model, str(tmp / "model.safetensors"))
+        save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"))
+        save_file(_rng_tensors(generator), str(tmp / "rng.safetensors"))
+        state = {"format_version": FORMAT_VERSION, "step": step, "log": log, "optimizer": optimizer_rest,
+                 "fingerprint": fingerprint}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    for old in _step_dirs(folder):
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    generator: torch.Generator, fingerprint: dict[str, Any]) -> Resumed:
+    """Restore the latest checkpoint in ``folder`` into the model, optimizer and generators."""
+    dirs = _step_dirs(Path(folder))
+    if not dirs:
+        raise FileNotFoundError(f"resume was asked for, but {str(folder)!r} holds no checkpoint")
+    path = dirs[-1]
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format_version={state.get('format_version')} is not supported")
+    saved = state["fingerprint"]
+    changed = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
+    if changed:
+        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)
+        raise ValueError(f"cannot resume from {path}: the run differs from the checkpointed one ({diff})")
+    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    optimizer.load_state_dict(_join_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
+    rng = load_file(str(path / "rng.safetensors"))
+    generator.set_state(rng["data"])
+    torch.set_rng_state(rng["torch_cpu"])
+    cuda = [rng[f"torch_cuda_{i}"] for i in range(sum(k.startswith("torch_cuda_") for k in rng))]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+    return Resumed(step=state["step"], log=state["log"])
