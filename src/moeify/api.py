@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from moeify.arch import family_for
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
+from moeify.evaluation.harness import check_tasks, run_tasks
 from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_tokens_per_s
@@ -48,7 +49,8 @@ def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[Pr
     default (``None``)."""
     _check_device(device)
     path = _model_path(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if Path(path).is_dir() and is_native_folder(Path(path)):
         return load_native(Path(path), device), tokenizer
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -180,10 +182,16 @@ def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) 
 
 
 def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | None = None, *,
-             seq_len: int | None = None, runtime_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Perplexity per data file and the activated ratios measured on that data."""
+             seq_len: int | None = None, runtime_options: dict[str, Any] | None = None,
+             tasks: list[str] | None = None, task_data: str | Path | None = None, limit: int | None = None,
+             batch_size: int = 16) -> dict[str, Any]:
+    """Perplexity per data file, zero-shot accuracy per lm-eval task (``tasks`` read from ``task_data``,
+    see ``moeify.evaluation.harness``; ``limit`` items each), and the activated ratios measured on all of
+    it. Without ``data`` the embedded evaluation slice is used, unless only tasks were asked for."""
     set_runtime_options(model, runtime_options or {})
-    sources = [read_text(d) for d in (data or [EMBEDDED_EVAL])]
+    if tasks:
+        check_tasks(tasks, task_data, limit)
+    sources = [read_text(d) for d in (data or ([] if tasks else [EMBEDDED_EVAL]))]
     context = model.config.max_position_embeddings
     seq_len = seq_len or context
     if not 2 <= seq_len <= context:
@@ -194,6 +202,11 @@ def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | No
             ppl = perplexity(model, tokenizer, source, seq_len)
             results["ppl"][source.name] = ppl.ppl
             results["eval"][source.name] = ppl.as_dict()
+        if tasks:
+            harness = run_tasks(model, tokenizer, tasks, task_data, limit=limit, batch_size=batch_size)
+            results["tasks"] = harness.scores
+            results["harness"] = {"lm_eval": harness.lm_eval_version, "limit": limit,
+                                  "task_data": str(Path(task_data).resolve())}
     active = activated_parameters(model, measured=True)
     results["active"] = {"mlp_ratio": active.mlp_ratio, "apr": active.apr, **active.as_dict()}
     results["runtime_options"] = runtime_options or {}

@@ -49,7 +49,7 @@ def test_coactivation_statistics_match_a_direct_count():
     assert stats.frequency.tolist() == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])  # sums to k_act
     assert stats.coactivation[0, 1] == pytest.approx(1 / 3) and stats.coactivation[2, 3] == pytest.approx(1 / 3)
     assert stats.coactivation[0, 4] == pytest.approx(1 / 3) and stats.coactivation[1, 2] == 0
-    assert stats.mean_x_sq.tolist() == pytest.approx((x ** 2).mean(0).tolist())
+    assert stats.squares.mean_x_sq.tolist() == pytest.approx((x ** 2).mean(0).tolist())
 
 
 def test_spectral_clustering_recovers_planted_blocks_and_sizes_are_bounded():

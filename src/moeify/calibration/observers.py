@@ -6,6 +6,30 @@ import torch
 from torch import Tensor
 
 
+class MeanSquares:
+    """E[x^2] (d,) of MLP inputs and E[h^2] (m,) of hidden activations: the activation statistics of
+    Wanda-style importance (MoRE Eq. 7). Memory O(d + m)."""
+
+    def __init__(self, hidden_size: int, width: int) -> None:
+        self.tokens = 0
+        self._x_sq = torch.zeros(hidden_size, dtype=torch.float64)
+        self._h_sq = torch.zeros(width, dtype=torch.float64)
+
+    def update(self, x: Tensor, h: Tensor) -> None:
+        """x: (..., d) MLP inputs; h: (..., m) their hidden activations."""
+        self._x_sq += x.reshape(-1, x.shape[-1]).double().pow(2).sum(0).cpu()
+        self._h_sq += h.reshape(-1, h.shape[-1]).double().pow(2).sum(0).cpu()
+        self.tokens += x.reshape(-1, x.shape[-1]).shape[0]
+
+    @property
+    def mean_x_sq(self) -> Tensor:
+        return self._x_sq / self.tokens
+
+    @property
+    def mean_h_sq(self) -> Tensor:
+        return self._h_sq / self.tokens
+
+
 class CoActivation:
     """MoRE §2.2 for one MLP of width m: the activation channel sets S(t) = TopK(|h(t)|, k_act)
     (Eq. 3-4), their frequency f (Eq. 5) and co-activation matrix C (Eq. 6), and the mean squares
@@ -13,21 +37,21 @@ class CoActivation:
 
     def __init__(self, hidden_size: int, width: int, k_act: int) -> None:
         self.k_act = k_act
-        self.tokens = 0
+        self.squares = MeanSquares(hidden_size, width)
         self._counts = torch.zeros(width, dtype=torch.float64)
         self._co = torch.zeros(width, width, dtype=torch.float64)
-        self._x_sq = torch.zeros(hidden_size, dtype=torch.float64)
-        self._h_sq = torch.zeros(width, dtype=torch.float64)
+
+    @property
+    def tokens(self) -> int:
+        return self.squares.tokens
 
     def update(self, x: Tensor, h: Tensor) -> None:
         """x: (tokens, d) MLP inputs; h: (tokens, m) their hidden activations."""
-        x, h = x.reshape(-1, x.shape[-1]).double().cpu(), h.reshape(-1, h.shape[-1]).double().cpu()
+        self.squares.update(x, h)
+        h = h.reshape(-1, h.shape[-1]).double().cpu()
         marks = torch.zeros_like(h).scatter_(1, h.abs().topk(self.k_act, dim=1).indices, 1.0)  # 1[i in S(t)]
         self._counts += marks.sum(0)
         self._co += marks.T @ marks
-        self._x_sq += x.pow(2).sum(0)
-        self._h_sq += h.pow(2).sum(0)
-        self.tokens += x.shape[0]
 
     @property
     def frequency(self) -> Tensor:
@@ -38,11 +62,3 @@ class CoActivation:
     def coactivation(self) -> Tensor:
         """C (m, m); Eq. 6."""
         return self._co / self.tokens
-
-    @property
-    def mean_x_sq(self) -> Tensor:
-        return self._x_sq / self.tokens
-
-    @property
-    def mean_h_sq(self) -> Tensor:
-        return self._h_sq / self.tokens

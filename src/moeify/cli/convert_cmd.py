@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "convert", help="convert a dense model into an MoE model",
         description="Convert MODEL (a local folder or hub name; default: the embedded stories260K) with a "
                     "method, measure the dense and the MoE model on held-out text in the same run, and write "
-                    "a loadable model folder with record.json into --out (atomically).")
+                    "a loadable model folder with record.json into --out (atomically). Methods that train keep "
+                    "resumable checkpoints in <out>.work beside it (removed once the model is saved).")
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--method", required=True, help="conversion method (see `moeify methods`)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
@@ -39,12 +41,14 @@ def run(args: argparse.Namespace) -> int:
 
     options = parse_assignments(args.set)
     check_output_dir(args.out, args.overwrite)
+    work_dir = args.out.with_name(args.out.name + ".work")
     result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval, seed=args.seed,
                             device=args.device, eval_seq_len=args.seq_len, measure_speed=not args.no_speed,
-                            progress=True)
+                            progress=True, work_dir=work_dir)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     out = moeify.save(result, args.out, overwrite=args.overwrite)
+    shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are for resuming; the model is saved now
     rec = result.record
     rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}"),
             (f"{rec['method']} perplexity", f"{rec['metrics']['ppl']:.3f}"),
@@ -58,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
         rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']})",
                      f"{s['dense_tokens_per_s']:,.0f} -> {s['tokens_per_s']:,.0f} ({s['speedup']:.2f}x)"))
     print_table(f"moeify convert --method {rec['method']}", rows)
-    print(f"wrote {out}/ (model, tokenizer, record.json)")
+    print(f"wrote {out}/ (model, tokenizer, record.json{''.join(', ' + name for name in result.artifacts)})")
     return 0

@@ -1,12 +1,15 @@
-"""``moeify eval``: perplexity per data file and the activated ratios measured on it."""
+"""``moeify eval``: perplexity per data file, zero-shot task accuracy (lm-eval), and the activated ratios
+measured on that data."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from moeify.cli.format import print_table
+from moeify.evaluation.harness import TASKS, check_tasks
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +24,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="runtime option")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    harness = parser.add_argument_group(
+        "zero-shot tasks (lm-evaluation-harness, offline; pip install -e \".[eval]\")",
+        "Without --data, only the tasks run (no perplexity).")
+    harness.add_argument("--tasks", type=lambda s: [t for t in s.split(",") if t], default=None,
+                         metavar="T1,T2", help="comma-separated: " + ", ".join(TASKS))
+    harness.add_argument("--task-data", type=Path, default=None, metavar="DIR",
+                         help="folder laid out like ../shared/assets/data (arc/, piqa/, ...)")
+    harness.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
+    harness.add_argument("--batch-size", type=int, default=16, help="lm-eval batch size")
     parser.set_defaults(run=run)
+
+
+def _task_rows(tasks: dict[str, dict[str, float]]) -> list[tuple[str, str]]:
+    """One row per task and metric, with lm-eval's standard error: at small --limit it is large."""
+    rows = []
+    for task, scores in tasks.items():
+        for metric in ("acc", "acc_norm"):
+            if metric in scores:
+                stderr = scores.get(f"{metric}_stderr")
+                value = f"{scores[metric]:.4f}" + ("" if stderr is None else f" ± {stderr:.4f}")
+                rows.append((f"{task} {metric} (n={scores['n']})", value))
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,9 +53,18 @@ def run(args: argparse.Namespace) -> int:
     from moeify.methods.options import parse_assignments
 
     options = parse_assignments(args.set)
+    if args.tasks:
+        try:  # before loading the model: a missing lm-eval or data file fails at once
+            check_tasks(args.tasks, args.task_data, args.limit)
+        except ImportError as error:
+            print(f"moeify eval: error: {error}", file=sys.stderr)
+            return 2
     model, tokenizer = moeify.load_model(args.model, args.device)
-    results = moeify.evaluate(model, tokenizer, args.data or None, seq_len=args.seq_len, runtime_options=options)
+    results = moeify.evaluate(model, tokenizer, args.data or None, seq_len=args.seq_len, runtime_options=options,
+                              tasks=args.tasks, task_data=args.task_data, limit=args.limit,
+                              batch_size=args.batch_size)
     rows = [(f"perplexity {name}", f"{ppl:.3f}") for name, ppl in results["ppl"].items()]
+    rows += _task_rows(results.get("tasks", {}))
     rows += [("activated MLP ratio", f"{results['active']['mlp_ratio']:.3f}"),
              ("activated param ratio (APR)", f"{results['active']['apr']:.3f}")]
     print_table(f"moeify eval {args.model}", rows)

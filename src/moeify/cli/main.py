@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeify.cli import convert_cmd, eval_cmd, methods_cmd
+from moeify.cli import bench_cmd, compare_cmd, convert_cmd, eval_cmd, methods_cmd, report_cmd
 
-COMMANDS = (convert_cmd, eval_cmd, methods_cmd)
+COMMANDS = (convert_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,3 +27,35 @@ def forward_tokens_per_s(model: nn.Module, batch_size: int, seq_len: int, *, rep
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return batch_size * seq_len / statistics.median(times)
+
+
+@torch.no_grad()
+def decode_tokens_per_s(model: nn.Module, batch_size: int, prompt_len: int, new_tokens: int, *, repeats: int = 3,
+                        seed: int = 0) -> float:
+    """Median tokens/s of greedy generation with the KV cache (``new_tokens`` per sequence)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), generator=generator).to(device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                  pad_token_id=model.config.eos_token_id or 0, attention_mask=torch.ones_like(ids))
+    model.generate(ids, **kwargs)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        times.append(time.perf_counter() - start)
+    return batch_size * new_tokens / statistics.median(times)
+
+
+def macs_per_token(model: nn.Module, seq_len: int, measured: bool = False) -> float:
+    """Multiply-accumulates per token: the activated projections (attention + MLP, as in the activated-
+    parameter accounting), the attention scores (QK^T and AV over seq_len/2 keys on average, causal) and
+    the LM head. Routers and norms are ignored (small)."""
+    from moeify.arch import DecoderAdapter
+    from moeify.moe.accounting import activated_parameters
+
+    adapter = DecoderAdapter(model)
+    active = activated_parameters(model, measured=measured).active_params
+    head = model.get_output_embeddings().weight.numel()
+    scores = adapter.num_layers * seq_len * model.config.hidden_size
+    return active + scores + head

@@ -199,3 +199,18 @@ CMOE = Method(
     config_cls=CmoeConfig,
     convert=convert,
 )
+
+
+@dataclass(frozen=True)
+class RandomSplitConfig(CmoeConfig):
+    partition: Literal["random"] = option("random", "fixed: shared and routed neurons drawn at random")
+
+
+RANDOM_SPLIT = Method(
+    name="random_split",
+    paper="baseline: LLaMA-MoE random expert split (Zhu et al., 2024), training-free, with CMoE's "
+          "representative-neuron router so that it can run without training",
+    summary="baseline: random neuron split into shared/routed experts, options as cmoe",
+    config_cls=RandomSplitConfig,
+    convert=convert,
+)

@@ -52,14 +52,14 @@ class DsmoeConfig:
                         high=1.0)
     variant: Literal["full", "no_ste", "no_gate"] = option(
         "full", "full: STE (Eq. 11); no_ste: Eq. 7 (§6.1); no_gate: Eq. 20, threshold at inference only (§6.2)")
-    steps: int = option(300, "continued-training optimizer steps (0: partition only, untrained gates)", low=0)
+    steps: int = option(200, "continued-training optimizer steps (0: partition only, untrained gates)", low=0)
     lr: float = option(2e-4, "AdamW learning rate of the model's weights", low=0.0, low_open=True)
     gate_lr: float = option(1e-2, "AdamW learning rate of the gates Y", low=0.0, low_open=True)
     batch_size: int = option(8, "sequences per optimizer step", low=1)
     grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple)", low=1)
-    seq_len: int | None = option(None, "training window (default: min(1024, model context))", low=2)
+    seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
     sparsity_weight: float = option(1.0, "weight of the sparsity loss (1 in Eq. 17-19)", low=0.0)
-    gate_init_std: float = option(0.02, "std of the random gate init when training starts", low=0.0)
+    gate_init_std: float = option(0.0, "std of a random gate init when training starts (0: Y = 0, all on)", low=0.0)
     checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)",
                                    low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
@@ -77,7 +77,7 @@ class DsmoeConfig:
             raise OptionError(f"seq_len={self.seq_len} must be <= the model's context {context}")
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
-        return self.seq_len or min(1024, model_config.max_position_embeddings)
+        return self.seq_len or min(256, model_config.max_position_embeddings)
 
 
 def contiguous_partition(intermediate_size: int, num_experts: int) -> ExpertPartition:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from moeify.calibration.data import token_stream
-from moeify.runtime.moe import SIGMOID_AT_ZERO, MoeMLP, rescaled_gate_weights
+from moeify.runtime.moe import SIGMOID_AT_ZERO, MoeMLP, passing_gates, rescaled_gate_weights
 from moeify.training.loop import Checkpointing, TrainPlan, lm_loss, train
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def training_weights(gates: Tensor, tau: float, variant: str) -> Tensor:
     """Per-token expert weights (tokens, experts) of the variant (module docstring)."""
     if variant == "no_gate":
         return gates / SIGMOID_AT_ZERO  # Eq. 20
-    active = gates > tau
+    active = passing_gates(gates, tau)
     thresholded = torch.where(active, gates, 0.0)  # G(g); Eq. 7
     if variant == "full":
         thresholded = straight_through(thresholded, gates)  # S(g); Eq. 10-11
@@ -62,7 +62,7 @@ def training_weights(gates: Tensor, tau: float, variant: str) -> Tensor:
 
 def sparsity_term(gates: Tensor, tau: float, variant: str) -> Tensor:
     """One layer's share of Eq. 19: the mean over tokens and experts of G(g) (g for ``no_gate``)."""
-    return (gates if variant == "no_gate" else torch.where(gates > tau, gates, 0.0)).mean()
+    return (gates if variant == "no_gate" else torch.where(passing_gates(gates, tau), gates, 0.0)).mean()
 
 
 class DsmoeTrainingMLP(nn.Module):
@@ -82,10 +82,27 @@ class DsmoeTrainingMLP(nn.Module):
         gates = router.gates(x)  # g = sigma(x Y): (tokens, experts); Eq. 7
         weights = training_weights(gates, router.tau, self.variant).to(x.dtype)
         self.sparsity = sparsity_term(gates, router.tau, self.variant)
-        out = sum(weights[:, e, None] * expert(x) for e, expert in enumerate(self.moe.experts))  # Eq. 6-7
-        if self.moe.down_bias is not None:
-            out = out + self.moe.down_bias
+        experts = self.moe.experts
+        hidden = all_hidden(experts, x)  # (tokens, d_h): every expert's neurons, in expert order
+        widths = torch.tensor([e.width for e in experts], device=x.device)
+        hidden = hidden * weights.repeat_interleave(widths, dim=1)  # expert i's neurons scaled by its weight
+        down = torch.cat([e.down.weight for e in experts], dim=1)  # (d, d_h)
+        out = nn.functional.linear(hidden, down, self.moe.down_bias)  # sum_i w_i o_i (+ bias); Eq. 6-7
         return out.reshape(shape)
+
+
+def all_hidden(experts: nn.ModuleList, x: Tensor) -> Tensor:
+    """The hidden activations of every expert's neurons at once (one matmul per projection instead of
+    one per expert; the gradient still reaches each expert's own weights): (tokens, sum of widths)."""
+    parts = [e.neurons for e in experts]
+
+    def project(name: str) -> Tensor:
+        layers = [getattr(n, name) for n in parts]
+        bias = None if layers[0].bias is None else torch.cat([lin.bias for lin in layers])
+        return nn.functional.linear(x, torch.cat([lin.weight for lin in layers]), bias)
+
+    act = parts[0].act
+    return act(project("up")) if parts[0].gate is None else act(project("gate")) * project("up")
 
 
 def init_gates_(layers: list[MoeMLP], std: float, seed: int) -> None:
@@ -98,8 +115,11 @@ def init_gates_(layers: list[MoeMLP], std: float, seed: int) -> None:
 
 
 def _fingerprint(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) -> dict[str, Any]:
-    """What a resumed run must share with the checkpointed one (steps may grow: the lr is constant)."""
-    keep = {k: v for k, v in vars(cfg).items() if k not in ("steps", "resume", "checkpoint_every", "analyses")}
+    """What a resumed run must share with the checkpointed one. Free to change: steps (the lr is
+    constant, so more steps continue the same run), grad_accum (the batches do not depend on it) and
+    what happens outside training."""
+    free = ("steps", "grad_accum", "resume", "checkpoint_every", "analyses")
+    keep = {k: v for k, v in vars(cfg).items() if k not in free}
     return {"method": "dsmoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
             "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
 

@@ -49,7 +49,8 @@ from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext, Method
 from moeify.methods.more_budget import Budget, LayerShape, candidate_layers, solve_budget, solve_naive_budget
 from moeify.methods.options import OptionError, option
-from moeify.moe.build import expert_mlp, moe_from_partition
+from moeify.moe.build import moe_from_partition, static_layer
+from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.runtime.moe import MoeMLP, PrototypeRouter
@@ -86,12 +87,6 @@ class MoreConfig:
             raise OptionError(f"num_experts={self.num_experts} must be <= the non-shared channels ({m - 1})")
         if self.seq_len > context:
             raise OptionError(f"seq_len={self.seq_len} must be <= the model's context {context}")
-
-
-def importance(mlp: MlpWeights, stats: CoActivation) -> Tensor:
-    """s_j = sum_i |W_up[j,i]| E[x_i^2] + sum_k |W_down[k,j]| E[h_j^2]  (Eq. 7)."""
-    up, down = mlp.up.double().abs().cpu(), mlp.down.double().abs().cpu()
-    return up @ stats.mean_x_sq + down.sum(0) * stats.mean_h_sq
 
 
 def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:
@@ -140,15 +135,13 @@ def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreCon
     stats = CoActivation(mlp.hidden_size, m, max(1, int(cfg.act_ratio * m)))  # k_act; Eq. 4
     with capture(lambda x: stats.update(x, mlp.hidden(x))):
         step_run()
-    score = importance(mlp, stats)
+    score = channel_importance(mlp, stats.squares)
     order = score.argsort(descending=True)
     generator = torch.Generator().manual_seed(seed)
     info: dict[str, Any] = {}
     if cfg.variant == "backbone":
-        keep = order[:k_share + round((m - k_share) / r)].sort().values  # same budget, static
-        down_bias = None if mlp.down_bias is None else mlp.down_bias.detach().clone()
-        layer = MoeMLP([], None, expert_mlp(mlp.select(keep)), down_bias, dense_width=m)
-        return layer.to(mlp.up.dtype), {"backbone": keep.numel()}
+        keep = order[:k_share + round((m - k_share) / r)]  # the same budget, static
+        return static_layer(mlp, keep), {"backbone": keep.numel()}
     if cfg.variant == "naive":
         shared, groups = order[:0], petals(stats.coactivation, torch.arange(m), k_share, cfg, seed)
     else:

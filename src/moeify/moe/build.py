@@ -49,3 +49,11 @@ def moe_from_partition(mlp: MlpWeights, partition: ExpertPartition, router: nn.M
     down_bias = None if mlp.down_bias is None else mlp.down_bias.detach().clone()
     layer = MoeMLP(experts, router, shared, down_bias)
     return layer.to(mlp.up.dtype)
+
+
+def static_layer(mlp: MlpWeights, keep: torch.Tensor) -> MoeMLP:
+    """The MLP narrowed, statically, to the ``keep`` neurons (a pruning baseline: nothing is routed)."""
+    down_bias = None if mlp.down_bias is None else mlp.down_bias.detach().clone()
+    layer = MoeMLP([], None, expert_mlp(mlp.select(keep.sort().values)), down_bias,
+                   dense_width=mlp.intermediate_size)
+    return layer.to(mlp.up.dtype)

@@ -269,7 +269,7 @@ def build_moe_mlp(spec: dict[str, Any]) -> MoeMLP:
         router_cls = ROUTERS[router_spec.pop("kind")]
         router = router_cls(hidden_size=d, act=act, gated=gated, up_bias=up_bias, **router_spec)
     down_bias = torch.zeros(d) if spec["down_bias"] else None
-    return MoeMLP(experts, router, shared, down_bias, dense_width=spec["dense_width"])
+    return MoeMLP(experts, router, shared, down_bias, dense_width=spec.get("dense_width"))
 
 
 def install_moe_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
@@ -301,20 +301,29 @@ def moe_causal_lm_class(base_cls: type, config_cls: type | None = None) -> type:
 SIGMOID_AT_ZERO = 0.5  # sigma(0): the gate value of an untrained DSMoE gate (Y = 0)
 
 
+def passing_gates(gates: Tensor, tau: float) -> Tensor:
+    """DSMoE's condition of G (Eq. 7), g_i >= tau: (tokens, experts) bool. The paper writes g > tau; the
+    two differ only where g equals tau exactly, which in practice happens only for untrained gates
+    (Y = 0, g = 1/2) at tau = 1/2: counting that tie as passing makes the untrained model at the default
+    tau the dense model, so training starts from it."""
+    return gates >= tau
+
+
 def rescaled_gate_weights(values: Tensor, active: Tensor) -> Tensor:
     """DSMoE's expert weights (tokens, experts) from gate values already thresholded (G(g) of Eq. 7, or
-    its straight-through form S(g) of Eq. 10 while training): ``values * (n / |A|) / sigma(0)``.
+    its straight-through form S(g) of Eq. 10 while training): ``values / sigma(0) * n / |A|``.
 
     n / |A| is Eq. 8's rescale by the number of active experts (|A| = 0 is taken as 1: a token whose
-    gates all stay at or below tau gets no expert, so its output is zero). 1 / sigma(0) = 2 makes an
-    untrained gate (g = 1/2) neutral, so that with every expert on the layer is the dense MLP."""
+    gates all stay below tau gets no expert, so its output is zero). Dividing the gate value by
+    sigma(0) = 1/2 makes an untrained gate (Y = 0) neutral, so that with every expert on the layer is
+    the dense MLP (Eq. 7 alone would halve it)."""
     rescale = active.shape[-1] / active.sum(dim=-1, keepdim=True).clamp_min(1)  # n / |A|; Eq. 8
     return values * (rescale / SIGMOID_AT_ZERO)
 
 
 class ThresholdRouter(nn.Module):
     """DSMoE's router (Lv et al., 2025, Eq. 7-8): sigmoid gates g = sigma(x Y), Y in R^{d x n} (stored as
-    ``proj.weight``, (n, d)); expert i runs for a token when g_i > tau, so the number of experts per token
+    ``proj.weight``, (n, d)); expert i runs for a token when g_i >= tau, so the number of experts per token
     varies (none included), weighted by ``rescaled_gate_weights``. ``tau`` is a runtime option; the
     expert count per token depends on the data, so there is no nominal count (``expected_experts`` is
     None) and the activated ratio is always measured."""
@@ -346,7 +355,7 @@ class ThresholdRouter(nn.Module):
 
     def forward(self, x: Tensor) -> Dispatch:
         gates = self.gates(x)
-        active = gates > self.tau  # the condition of G; Eq. 7
+        active = passing_gates(gates, self.tau)  # the condition of G; Eq. 7
         weights = rescaled_gate_weights(torch.where(active, gates, 0.0), active)  # Eq. 7-8
         return Dispatch.from_mask(active, weights.to(x.dtype))
 

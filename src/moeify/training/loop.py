@@ -1,8 +1,9 @@
 """The one training loop of the methods that train (CMoE's light fine-tune, DSMoE's continued training).
 
-Each optimizer step draws ``batch_size`` random windows of ``seq_len`` tokens from the training stream,
-in ``grad_accum`` micro-batches whose gradients add up (each micro-batch loss is divided by
-``grad_accum``, so a step equals one step on the whole batch); then the optimizer steps and
+Each optimizer step draws ``batch_size`` random windows of ``seq_len`` tokens from the training stream
+and splits them into ``grad_accum`` micro-batches whose gradients add up (each micro-batch loss is
+divided by ``grad_accum``, so a step equals one step on the whole batch, and the batches do not depend
+on ``grad_accum``: it trades memory for time only); then the optimizer steps and
 ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
 the total to minimise under ``"loss"`` and any parts to log).
 
@@ -116,15 +117,15 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     """Train ``model`` for ``plan.steps`` optimizer steps (see the module docstring); returns the loss log."""
     generator = torch.Generator().manual_seed(seed)
     start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
-    micro = plan.batch_size // plan.grad_accum
     model.train()
     try:
         bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc, disable=not progress)
         for step in bar:
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for _ in range(plan.grad_accum):
-                parts = loss_fn(model, random_windows(stream, plan.seq_len, micro, generator).to(device))
+            batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
+            for micro in batch.chunk(plan.grad_accum):
+                parts = loss_fn(model, micro.to(device))
                 (parts["loss"] / plan.grad_accum).backward()
                 for name, value in parts.items():
                     sums[name] = sums.get(name, 0.0) + float(value.detach()) / plan.grad_accum

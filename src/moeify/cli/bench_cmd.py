@@ -1,0 +1,55 @@
+"""``moeify bench``: prefill and decode throughput of a converted model against its dense model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moeify.cli.format import print_table
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "bench", help="measure MoE vs dense speed in one process",
+        description="Prefill tokens/s at several batch sizes and decode tokens/s (greedy, KV cache) of "
+                    "MODEL_OR_DIR and of the dense model it came from (--against, default: the model named in "
+                    "its record.json), measured in the same process: warm-up, then the median of repeats. "
+                    "Also prints the ideal speed-up from multiply-accumulate counts and the peak memory.")
+    parser.add_argument("model", help="converted folder (or any model)")
+    parser.add_argument("--against", default=None, help="dense model (default: from record.json)")
+    parser.add_argument("--batch-sizes", default="1,8", help="prefill batch sizes, comma-separated (default 1,8)")
+    parser.add_argument("--seq-len", type=int, default=256, help="prefill length and decode prompt (default 256)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per sequence (default 32)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats after warm-up (default 5)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import moeify
+    from moeify.evaluation.bench import benchmark_pair
+    from moeify.evaluation.record import RECORD_NAME
+
+    against = args.against
+    record = Path(args.model) / RECORD_NAME
+    if against is None:
+        if not record.is_file():
+            raise ValueError(f"{args.model} has no {RECORD_NAME}; pass the dense model with --against")
+        against = json.loads(record.read_text())["model"]
+    moe, _ = moeify.load_model(args.model, args.device)
+    dense, _ = moeify.load_model(against, args.device)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    result = benchmark_pair(dense, moe, sizes, args.seq_len, args.new_tokens, args.repeats)
+    rows = [(f"prefill b={p['batch_size']} tokens/s", f"{p['dense']:,.0f} -> {p['moe']:,.0f} ({p['speedup']:.2f}x)")
+            for p in result["prefill"]]
+    d = result["decode"]
+    rows.append((f"decode b={d['batch_size']} tokens/s", f"{d['dense']:,.0f} -> {d['moe']:,.0f} ({d['speedup']:.2f}x)"))
+    rows.append(("ideal speed-up (MAC counts)", f"{result['ideal_speedup']:.2f}x"))
+    rows.append(("peak memory", result["peak_memory"]))
+    print_table(f"moeify bench {args.model} vs {against}", rows)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0

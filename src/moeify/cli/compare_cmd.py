@@ -1,0 +1,44 @@
+"""``moeify compare``: every method at a matched activated-parameter ratio, then a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from moeify.methods import METHODS
+
+    names = ",".join(m.name for m in METHODS)
+    parser = sub.add_parser(
+        "compare", help="run several methods at matched activated parameters and report",
+        description="Convert MODEL with each method on the same calibration and evaluation text, matching the "
+                    "activated-parameter ratio (APR) where the method allows it (see moeify.report.compare), "
+                    "save each run under --out/<method>/ and write --out/report/.")
+    parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
+    parser.add_argument("--methods", default=names, help=f"comma-separated (default: {names})")
+    parser.add_argument("--active", type=float, default=0.5, help="target APR (default 0.5)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the runs and the report")
+    parser.add_argument("--calib", default=None, help="calibration/training text (default: embedded)")
+    parser.add_argument("--eval", default=None, help="evaluation text (default: embedded, disjoint)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeify.methods import get_method
+    from moeify.report.compare import run_comparison
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for name in methods:
+        get_method(name)  # unknown names fail before any work
+    if not 0 < args.active <= 1:
+        raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
+    summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
+                               seed=args.seed, progress=True)
+    (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    for s in summaries:
+        print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")
+    print(f"wrote {args.out}/report/report.md")
+    return 0

@@ -1,0 +1,1 @@
+"""Reports built from ``record.json`` files only (never by calling into conversions)."""

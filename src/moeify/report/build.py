@@ -1,0 +1,127 @@
+"""``moeify report``: a markdown table and PNG plots from the records of several runs.
+
+Plots: perplexity against the activated-parameter ratio with the Pareto front (lower-left is better),
+per-layer expert load (share of tokens per expert, one panel per run with routed layers), routing JSD
+per layer, and the measured speed-up against the dense model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moeify.evaluation.record import RECORD_NAME
+
+
+def read_runs(folders: list[Path]) -> list[dict[str, Any]]:
+    runs = []
+    for folder in folders:
+        path = Path(folder) / RECORD_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} has no {RECORD_NAME} (not a moeify run folder)")
+        record = json.loads(path.read_text())
+        record["_name"] = Path(folder).name
+        runs.append(record)
+    if not runs:
+        raise ValueError("moeify report needs at least one run folder")
+    return runs
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    head = ("| run | method | dense ppl | ppl | APR (measured) | APR (nominal) | MLP ratio | speed-up | convert s |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for r in sorted(runs, key=lambda r: r["active"]["apr"]):
+        speed = f"{r['speed']['speedup']:.2f}x" if r.get("speed") else "-"
+        rows.append(f"| {r['_name']} | {r['method']} | {r['metrics']['dense_ppl']:.3f} | {r['metrics']['ppl']:.3f} | "
+                    f"{r['active']['apr']:.3f} | {r['nominal_active']['apr']:.3f} | {r['active']['mlp_ratio']:.3f} | "
+                    f"{speed} | {r['timings']['convert_s']:.1f} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats in both coordinates (lower is better in both)."""
+    return [i for i, (x, y) in enumerate(points)
+            if not any((x2 <= x and y2 <= y) and (x2, y2) != (x, y) for x2, y2 in points)]
+
+
+def _figure(plt, width: float = 6.0, height: float = 4.0):
+    return plt.subplots(figsize=(width, height), dpi=120)
+
+
+def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
+    """PNG bytes by file name."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def png(fig) -> bytes:
+        buffer = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buffer, format="png")
+        plt.close(fig)
+        return buffer.getvalue()
+
+    out = {}
+    fig, ax = _figure(plt)
+    points = [(r["active"]["apr"], r["metrics"]["ppl"]) for r in runs]
+    for r, (x, y) in zip(runs, points):
+        ax.scatter(x, y, s=36)
+        ax.annotate(r["_name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    front = sorted(points[i] for i in pareto_front(points))
+    ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label="Pareto front")
+    dense = runs[0]["metrics"]["dense_ppl"]
+    ax.axhline(dense, color="black", lw=0.8, label=f"dense ({dense:.2f})")
+    ax.set(xlabel="activated-parameter ratio (APR, measured)", ylabel="perplexity (log scale)", yscale="log",
+           title="Quality vs activated parameters")
+    ax.legend(fontsize=8)
+    out["pareto.png"] = png(fig)
+
+    routed = [r for r in runs if r.get("routing")]
+    if routed:
+        fig, axes = plt.subplots(len(routed), 1, figsize=(6.5, 1.9 * len(routed) + 0.6), dpi=120, squeeze=False)
+        for ax, r in zip(axes[:, 0], routed):
+            loads = [[c / max(1, sum(layer["load"])) for c in layer["load"]] for layer in r["routing"]]
+            width = max(len(load) for load in loads)
+            grid = [load + [float("nan")] * (width - len(load)) for load in loads]
+            image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0)
+            ax.set(title=f"{r['_name']}: share of tokens per expert", xlabel="expert", ylabel="layer", xticks=range(width),
+                   yticks=range(len(loads)), yticklabels=[layer["layer"].split(".")[-2] for layer in r["routing"]])
+            fig.colorbar(image, ax=ax)
+        out["expert_load.png"] = png(fig)
+
+        fig, ax = _figure(plt)
+        for r in routed:
+            ax.plot([layer["layer"].split(".")[-2] for layer in r["routing"]],
+                    [layer["jsd"] for layer in r["routing"]], marker="o", label=r["_name"])
+        ax.set(xlabel="layer", ylabel="JSD to uniform (bits)", title="Routing divergence per layer (MoRE Eq. 18)")
+        ax.legend(fontsize=8)
+        out["routing_jsd.png"] = png(fig)
+
+    timed = [r for r in runs if r.get("speed")]
+    if timed:
+        fig, ax = _figure(plt)
+        ax.bar([r["_name"] for r in timed], [r["speed"]["speedup"] for r in timed], color="#55A868")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set(ylabel="MoE / dense tokens/s", title="Measured speed-up (same run)")
+        ax.tick_params(axis="x", rotation=30)
+        out["speedup.png"] = png(fig)
+    return out
+
+
+def write_report(folders: list[Path], out: Path, overwrite: bool = False) -> Path:
+    """Write ``report.md`` and the plots into ``out`` (atomically)."""
+    from moeify.export.io import atomic_dir
+
+    runs = read_runs(folders)
+    images = plots(runs)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        text = "# moeify report\n\n" + markdown_table(runs) + "\n" + "".join(f"![{name}]({name})\n" for name in images)
+        (tmp / "report.md").write_text(text)
+        for name, content in images.items():
+            (tmp / name).write_bytes(content)
+    return out

@@ -1,0 +1,199 @@
+"""DSMoE on tiny models: the dense identity on every family, the threshold router's variable sparse
+compute, the training device against the sparse layer, the straight-through gradients, resuming."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from moeify.methods.dsmoe import DsmoeConfig, contiguous_partition, convert
+from moeify.methods.dsmoe_train import DsmoeTrainingMLP, sparsity_term
+from moeify.methods.options import OptionError, build_config
+from moeify.moe.accounting import moe_layers, nominal_activated_parameters
+from moeify.moe.build import moe_from_partition
+from moeify.runtime.moe import MoeMLP, ThresholdRouter
+from moeify.training import loop
+from tests.conftest import clone
+from tests.tiny_models import FAMILY_NAMES, tiny_model
+from tests.unit.test_moe_layer import random_mlp
+
+TINY = dict(vocab_size=512, max_position_embeddings=256)
+IDS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+FAST = dict(seq_len=32, batch_size=2, analyses=False)
+
+
+def converted(family, make_ctx, work_dir=None, **options):
+    dense = tiny_model(family, **TINY)
+    ctx = dataclasses.replace(make_ctx(clone(dense)), work_dir=work_dir)
+    details = convert(ctx, build_config(DsmoeConfig, {**FAST, **options}))
+    return dense, ctx, details
+
+
+def threshold_layer(tau=0.5, seed=0):
+    """A DSMoE layer (d=16, d_h=30, 4 contiguous experts) with random gates."""
+    mlp = random_mlp(bias=True)
+    router = ThresholdRouter(mlp.hidden_size, 4, tau=tau)
+    torch.nn.init.normal_(router.proj.weight, generator=torch.Generator().manual_seed(seed))
+    return mlp, moe_from_partition(mlp, contiguous_partition(30, 4), router)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_untrained_conversion_with_every_gate_on_is_the_dense_model(family, make_ctx):
+    dense, ctx, details = converted(family, make_ctx, steps=0, tau=0.0)
+    layers = moe_layers(ctx.model)
+    assert len(layers) == 2 and all(isinstance(layer.router, ThresholdRouter) for layer in layers)
+    assert details["expert_sizes"] == [[11] * 8, [11] * 8]  # 88 neurons, 8 contiguous blocks
+    with torch.no_grad():
+        reference = dense(IDS).logits
+        torch.testing.assert_close(ctx.model(IDS).logits, reference, atol=1e-4, rtol=0)
+        for layer in layers:  # untrained gates sit at 1/2: the tie passes tau = 1/2, nothing passes above
+            layer.router.set_option("tau", 0.5)
+        torch.testing.assert_close(ctx.model(IDS).logits, reference, atol=1e-4, rtol=0)
+        for layer in layers:
+            layer.router.set_option("tau", 0.6)
+        assert (ctx.model(IDS).logits - reference).abs().max() > 1e-2  # every MLP skipped
+    assert nominal_activated_parameters(ctx.model) is None  # a threshold router has no nominal count
+
+
+def test_threshold_router_runs_each_token_on_its_passing_experts_only():
+    mlp, layer = threshold_layer(tau=0.7)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    g = torch.sigmoid(x @ layer.router.proj.weight.T)
+    active = g >= 0.7
+    per_token = active.sum(1)
+    assert per_token.min() == 0 and per_token.max() >= 3  # a variable number, none included
+    reference = torch.zeros(64, 16)
+    for t in range(64):
+        for e in active[t].nonzero().flatten().tolist():  # weight (n / |A|) * g / sigma(0); Eq. 7-8
+            reference[t] += 4 / per_token[t] * 2 * g[t, e] * layer.experts[e](x[t])
+    reference += mlp.down_bias
+    calls = [0] * 4
+    for e, expert in enumerate(layer.experts):
+        expert.register_forward_hook(lambda m, i, o, e=e: calls.__setitem__(e, calls[e] + i[0].shape[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference, atol=1e-5, rtol=1e-5)
+    assert calls == active.sum(0).tolist()  # real sparse compute: each expert saw its tokens only
+
+
+@pytest.mark.parametrize("variant", ["full", "no_ste"])
+def test_training_device_computes_what_the_sparse_layer_computes(variant):
+    _, layer = threshold_layer()
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(DsmoeTrainingMLP(layer, variant)(x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_no_gate_variant_trains_on_every_expert_and_starts_dense():
+    mlp, layer = threshold_layer()
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(3))
+    g = torch.sigmoid(x @ layer.router.proj.weight.T)
+    expected = sum(2 * g[:, e, None] * expert(x) for e, expert in enumerate(layer.experts)) + mlp.down_bias
+    device = DsmoeTrainingMLP(layer, "no_gate")
+    with torch.no_grad():
+        torch.testing.assert_close(device(x), expected, atol=1e-5, rtol=1e-5)  # Eq. 20
+        torch.nn.init.zeros_(layer.router.proj.weight)
+        torch.testing.assert_close(device(x), mlp.forward(x), atol=1e-5, rtol=1e-5)
+    assert device.sparsity == pytest.approx(0.5)  # the mean gate, no G
+
+
+def test_straight_through_estimator_reaches_the_gates_of_inactive_experts_only_with_ste():
+    _, layer = threshold_layer()
+    x = torch.randn(1, 16, generator=torch.Generator().manual_seed(4))
+    g = torch.sigmoid(x @ layer.router.proj.weight.T)[0]
+    tau = float(g.sort().values[1:3].mean())  # two experts pass, two do not
+    layer.router.set_option("tau", tau)
+    off = int(g.argmin())
+    grads = {}
+    for variant in ("full", "no_ste"):
+        layer.zero_grad()
+        DsmoeTrainingMLP(layer, variant)(x).pow(2).sum().backward()
+        grads[variant] = layer.router.proj.weight.grad[off].abs().sum()
+        assert layer.experts[off].down.weight.grad.abs().sum() == 0  # Eq. 13-15: inactive experts get nothing
+    assert grads["full"] > 0  # Eq. 16: the gate learns whether its expert would help
+    assert grads["no_ste"] == 0  # Eq. 9: without S(x) the gate below tau is stuck
+
+
+def test_sparsity_loss_is_the_mean_thresholded_gate():
+    gates = torch.tensor([[0.9, 0.2], [0.6, 0.4]], requires_grad=True)
+    assert float(sparsity_term(gates, 0.5, "full")) == pytest.approx((0.9 + 0.6) / 4)  # Eq. 19: G(g)
+    assert float(sparsity_term(gates, 0.5, "no_gate")) == pytest.approx(2.1 / 4)
+    sparsity_term(gates, 0.5, "full").backward()
+    assert gates.grad.tolist() == [[0.25, 0.0], [0.25, 0.0]]  # only the gates that are on pay
+
+
+def test_training_learns_gates_and_hardens_into_sparse_layers(make_ctx):
+    dense, ctx, details = converted("llama", make_ctx, steps=4, gate_lr=0.05)
+    training = details["training"]
+    assert training["steps"] == 4 and training["checkpoints"] is None
+    assert {"first_lm", "last_lm", "first_sparsity", "last_sparsity"} <= set(training)
+    layers = moe_layers(ctx.model)
+    assert all(type(m) is MoeMLP for m in (ctx.adapter.mlp_module(i) for i in range(2)))
+    assert all(layer.router.proj.weight.abs().sum() > 0 for layer in layers)
+    with torch.no_grad():
+        assert (ctx.model(IDS).logits - dense(IDS).logits).abs().max() > 1e-3
+    assert not any(isinstance(m, DsmoeTrainingMLP) for m in ctx.model.modules())
+
+
+def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_path, monkeypatch):
+    options = dict(steps=5, checkpoint_every=2, gate_init_std=0.1)
+    _, reference, _ = converted("qwen2", make_ctx, work_dir=tmp_path / "a", **options)
+    real, calls = loop.random_windows, []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt("killed in step 4")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "random_windows", dying)
+    with pytest.raises(KeyboardInterrupt):
+        converted("qwen2", make_ctx, work_dir=tmp_path / "b", **options)
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError, match="resume=true"):
+        converted("qwen2", make_ctx, work_dir=tmp_path / "b", **options)
+    _, resumed, details = converted("qwen2", make_ctx, work_dir=tmp_path / "b", resume=True, **options)
+    assert details["training"]["resumed_from"] == 2
+    expected = reference.model.state_dict()
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"tau": "1.5"}, r"tau=1.5 is out of range; allowed: \[0.0, 1.0\]"),
+    ({"variant": "ste"}, r"variant='ste' is not allowed; choose one of: full, no_ste, no_gate"),
+    ({"batch_size": "6", "grad_accum": "4"}, r"batch_size=6 must be a multiple of grad_accum=4"),
+    ({"num_experts": "1"}, r"num_experts=1 is out of range; allowed: \[2, inf\]"),
+    ({"lr": "0"}, r"lr=0.0 is out of range; allowed: \(0.0, inf\]"),
+    ({"top_k": "2"}, r"unknown option\(s\) top_k"),
+])
+def test_bad_options_fail_with_value_and_allowed_range(options, message):
+    with pytest.raises(OptionError, match=message):
+        build_config(DsmoeConfig, options)
+
+
+def test_model_dependent_limits_and_resume_without_a_work_folder(make_ctx):
+    config = tiny_model("llama").config
+    with pytest.raises(OptionError, match=r"num_experts=89 must be <= the MLP width d_h=88"):
+        DsmoeConfig(num_experts=89).check(config)
+    with pytest.raises(OptionError, match=r"seq_len=4096 must be <= the model's context 128"):
+        DsmoeConfig(seq_len=4096).check(config)
+    with pytest.raises(OptionError, match="resume=true needs a work folder"):
+        converted("llama", make_ctx, resume=True)
+
+
+def test_threshold_is_a_validated_runtime_option():
+    _, layer = threshold_layer()
+    x = torch.randn(50, 16)
+    layer.track_stats = True
+    for tau in (0.0, 0.3, 0.6, 0.9):
+        layer.router.set_option("tau", str(tau))  # as --set passes it
+        layer.reset_stats()
+        layer(x)
+        assert layer.router.spec() == {"kind": "threshold", "num_experts": 4, "tau": tau}
+        counts = layer.stats_expert_tokens.sum()
+        assert counts == (torch.sigmoid(x @ layer.router.proj.weight.T) >= tau).sum()
+    assert layer.stats_expert_tokens.sum() < 50 * 4
+    with pytest.raises(ValueError, match=r"tau=2.0 is out of range; allowed: \[0, 1\]"):
+        layer.router.set_option("tau", 2)
+    with pytest.raises(KeyError, match="options: tau"):
+        layer.router.set_option("top_k", 1)

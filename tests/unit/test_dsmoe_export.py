@@ -1,0 +1,60 @@
+"""DSMoE end to end: the CLI convert writes the model, the record with the analyses and the heatmap PNG;
+save -> load gives identical logits; ``moeify eval --set tau=...`` re-thresholds the saved model."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import moeify
+from moeify.cli.main import main
+
+FAST = ["--set", "steps=3", "--set", "seq_len=64", "--set", "batch_size=2", "--set", "checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "dsmoe"
+    assert main(["convert", "--method", "dsmoe", "--out", str(out), "--no-speed", *FAST]) == 0
+    return out
+
+
+def test_convert_writes_model_record_and_heatmap(converted):
+    record = json.loads((converted / "record.json").read_text())
+    assert record["method"] == "dsmoe" and record["config"]["tau"] == 0.5
+    assert record["nominal_active"] is None  # a threshold router has no nominal expert count
+    assert 0 < record["active"]["mlp_ratio"] <= 1
+    analysis = record["details"]["analysis"]
+    assert [row["tau"] for row in analysis["tau_sweep"]] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    ratios = [row["mlp_ratio"] for row in analysis["tau_sweep"]]
+    assert ratios == sorted(ratios, reverse=True)  # a higher threshold never activates more
+    [per_layer] = analysis["activated_experts"]["per_file"].values()
+    assert len(per_layer) == 5 and all(0 <= x <= 8 for x in per_layer)
+    assert analysis["heatmap"] in record["artifacts"]
+    assert (converted / analysis["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert record["details"]["training"]["steps"] == 3
+    assert not converted.with_name("dsmoe.work").exists()  # checkpoints removed once the model is saved
+    spec = json.loads((converted / "config.json").read_text())["moeify"]["layers"]
+    assert {layer["router"]["kind"] for layer in spec.values()} == {"threshold"}
+
+
+def test_save_then_load_gives_identical_logits(converted):
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    model, _ = moeify.load_model(converted)
+    remote = AutoModelForCausalLM.from_pretrained(converted, trust_remote_code=True).eval()
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert torch.equal(moeify.load(converted)(ids).logits, expected)
+        assert torch.equal(remote(ids).logits, expected)
+
+
+def test_eval_changes_the_threshold_at_run_time(converted, tmp_path):
+    record = json.loads((converted / "record.json").read_text())
+    runs = {}
+    for tau in ("0.5", "0.0", "1.0"):
+        assert main(["eval", str(converted), "--set", f"tau={tau}", "--json", str(tmp_path / f"{tau}.json")]) == 0
+        runs[tau] = json.loads((tmp_path / f"{tau}.json").read_text())
+    assert runs["0.5"]["ppl"]["tinystories_eval"] == pytest.approx(record["metrics"]["ppl"], rel=1e-6)
+    assert runs["0.0"]["active"]["mlp_ratio"] == pytest.approx(1.0)
+    assert runs["1.0"]["active"]["mlp_ratio"] < runs["0.5"]["active"]["mlp_ratio"] <= 1.0

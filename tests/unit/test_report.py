@@ -1,0 +1,66 @@
+"""Reports read records only; compare matches budgets; bench prints both models' speed."""
+
+import json
+
+import pytest
+
+from moeify.cli.main import main
+from moeify.report.build import markdown_table, pareto_front
+from moeify.report.compare import cmoe_spec, matched_options
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    points = [(0.5, 100.0), (0.45, 180.0), (0.8, 9.0), (0.5, 270.0), (0.9, 9.5)]
+    assert pareto_front(points) == [0, 1, 2]
+
+
+def test_cmoe_spec_for_a_budget():
+    assert cmoe_spec(0.25) == "S1A1E8"
+    assert cmoe_spec(0.5) == "S2A2E8"
+    spec = cmoe_spec(0.314)
+    s, a, e = (int(x) for x in spec[1:].replace("A", " ").replace("E", " ").split())
+    assert abs((s + a) / e - 0.314) < 0.01
+
+
+def test_matched_options_follow_the_budget(stories):
+    from moeify.arch import DecoderAdapter
+
+    adapter = DecoderAdapter(stories[0])
+    options, how = matched_options("static_prune", 0.5, adapter)
+    assert options == [{"active_ratio": 0.5}]
+    options, _ = matched_options("more", 0.6, adapter)
+    assert options[0] == {"target_pr": pytest.approx(0.4)} and "layers" in options[1]
+    assert "not matched" in matched_options("dsmoe", 0.5, adapter)[1]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    for name, method, option in (("a", "cmoe", "spec=S1A1E8"), ("b", "static_prune", "active_ratio=0.6")):
+        assert main(["convert", "--method", method, "--set", option, "--out", str(root / name)]) == 0
+    return root
+
+
+def test_report_from_records(two_runs, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["report", str(two_runs / "a"), str(two_runs / "b"), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| a | cmoe |" in text and "| b | static_prune |" in text
+    for name in ("pareto.png", "expert_load.png", "routing_jsd.png", "speedup.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    records = [json.loads((two_runs / n / "record.json").read_text()) for n in "ab"]
+    for record, name in zip(records, "ab"):
+        record["_name"] = name
+    assert markdown_table(records).count("\n") == 4
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r2")]) == 2
+    assert "has no record.json" in capsys.readouterr().err
+
+
+def test_bench_measures_both_models(two_runs, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(two_runs / "a"), "--batch-sizes", "1,2", "--seq-len", "32", "--new-tokens", "4",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [p["batch_size"] for p in result["prefill"]] == [1, 2]
+    assert all(p["dense"] > 0 and p["moe"] > 0 for p in result["prefill"]) and result["decode"]["moe"] > 0
+    assert result["ideal_speedup"] > 1  # 25 % of the MLP active

@@ -1,0 +1,100 @@
+"""The shared training loop: gradient accumulation, determinism, resumable atomic checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from moeify.training.checkpoint import latest_step
+from moeify.training.loop import Checkpointing, TrainPlan, train
+from tests.tiny_models import tiny_model
+
+STREAM = torch.randint(3, 128, (2000,), generator=torch.Generator().manual_seed(0))
+FINGERPRINT = {"method": "test", "lr": 1e-3}
+
+
+def run(steps, *, grad_accum=1, folder=None, resume=False, kill_at=None, fingerprint=FINGERPRINT, every=2):
+    """Train a fresh tiny model; ``kill_at`` raises inside that step, after its optimizer update."""
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = TrainPlan(steps=steps, batch_size=4, seq_len=16, grad_accum=grad_accum, checkpoint_every=every)
+    checkpointing = None if folder is None else Checkpointing(folder, fingerprint, resume=resume)
+    done = []
+
+    def after_step():
+        done.append(1)
+        if len(done) == kill_at:
+            raise KeyboardInterrupt("killed")
+
+    log = train(model, optimizer, STREAM, plan, seed=0, device=torch.device("cpu"), checkpointing=checkpointing,
+                after_step=after_step, progress=False)
+    return model, log
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_training_is_deterministic_and_changes_the_model():
+    first, log = run(3)
+    second, _ = run(3)
+    assert_same_weights(first, second)
+    assert len(log.losses) == 3 and all(loss > 0 for loss in log.losses)
+    assert not torch.equal(first.model.embed_tokens.weight, tiny_model("llama").model.embed_tokens.weight)
+
+
+def test_gradient_accumulation_equals_the_whole_batch():
+    whole, log_whole = run(2, grad_accum=1)
+    split, log_split = run(2, grad_accum=4)
+    for (name, a), b in zip(whole.named_parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    assert log_split.losses == pytest.approx(log_whole.losses, rel=1e-5)
+    with pytest.raises(ValueError, match="batch_size=4 must be a multiple of grad_accum=3"):
+        TrainPlan(steps=1, batch_size=4, seq_len=8, grad_accum=3)
+
+
+def test_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tmp_path):
+    reference, reference_log = run(6, folder=tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        run(6, folder=tmp_path / "b", kill_at=5)  # checkpoints at steps 2 and 4; step 5 is lost
+    assert latest_step(tmp_path / "b") == 4
+    resumed, log = run(6, folder=tmp_path / "b", resume=True)
+    assert log.resumed_from == 4
+    assert_same_weights(resumed, reference)
+    assert log.losses == reference_log.losses  # the log of the steps before the kill came back too
+    assert latest_step(tmp_path / "b") == 6
+
+
+def test_more_steps_after_a_finished_run_continue_it(tmp_path):
+    reference, _ = run(5, folder=tmp_path / "a")
+    run(3, folder=tmp_path / "b")
+    extended, log = run(5, folder=tmp_path / "b", resume=True)
+    assert log.resumed_from == 3
+    assert_same_weights(extended, reference)
+
+
+def test_checkpoints_are_safetensors_and_json_written_atomically(tmp_path):
+    run(4, folder=tmp_path)
+    (tmp_path / ".step-00000009.tmp-half").mkdir()  # what a kill while writing would leave behind
+    assert latest_step(tmp_path) == 4
+    [step] = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert step.name == "step-00000004"  # older checkpoints are removed
+    assert sorted(p.name for p in step.iterdir()) == [
+        "model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
+    state = json.loads((step / "state.json").read_text())
+    assert state["step"] == 4 and state["fingerprint"] == FINGERPRINT and len(state["log"]["losses"]) == 4
+
+
+def test_resume_refuses_a_different_run_and_a_fresh_run_refuses_to_clobber(tmp_path):
+    run(2, folder=tmp_path)
+    with pytest.raises(ValueError, match=r"differs from the checkpointed one \(lr: 0.001 -> 0.002\)"):
+        run(4, folder=tmp_path, resume=True, fingerprint={**FINGERPRINT, "lr": 2e-3})
+    with pytest.raises(FileExistsError, match="holds a checkpoint at step 2; continue it with resume=true"):
+        run(4, folder=tmp_path)
+    with pytest.raises(ValueError, match="the checkpoint is at step 2, beyond steps=1"):
+        run(1, folder=tmp_path, resume=True)
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        run(2, folder=tmp_path / "empty", resume=True)
