@@ -184,10 +184,11 @@ def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) 
 def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | None = None, *,
              seq_len: int | None = None, runtime_options: dict[str, Any] | None = None,
              tasks: list[str] | None = None, task_data: str | Path | None = None, limit: int | None = None,
-             batch_size: int = 16) -> dict[str, Any]:
+             batch_size: int = 16, protocol: str = "windows", stride: int | None = None) -> dict[str, Any]:
     """Perplexity per data file, zero-shot accuracy per lm-eval task (``tasks`` read from ``task_data``,
     see ``moeify.evaluation.harness``; ``limit`` items each), and the activated ratios measured on all of
-    it. Without ``data`` the embedded evaluation slice is used, unless only tasks were asked for."""
+    it. Without ``data`` the embedded evaluation slice is used, unless only tasks were asked for.
+    ``protocol``/``stride``: see ``moeify.evaluation.perplexity``."""
     set_runtime_options(model, runtime_options or {})
     if tasks:
         check_tasks(tasks, task_data, limit)
@@ -199,7 +200,7 @@ def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | No
     results: dict[str, Any] = {"ppl": {}, "eval": {}}
     with tracking_routing(model):
         for source in sources:
-            ppl = perplexity(model, tokenizer, source, seq_len)
+            ppl = perplexity(model, tokenizer, source, seq_len, protocol=protocol, stride=stride)
             results["ppl"][source.name] = ppl.ppl
             results["eval"][source.name] = ppl.as_dict()
         if tasks:

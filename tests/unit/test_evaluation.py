@@ -1,5 +1,6 @@
 """Perplexity protocol, activated-parameter accounting checked by hand, calibration data handling."""
 
+import json
 import math
 
 import pytest
@@ -13,24 +14,57 @@ from tests.conftest import clone
 from tests.tiny_models import tiny_model
 
 
-def test_perplexity_matches_direct_transformers_computation(stories, eval_text):
+def _direct_nll(model, ids: list[int], seq_len: int, stride: int) -> tuple[float, int]:
+    """Hugging Face's own loss over windows of seq_len advancing by stride, each token scored once."""
+    total, count, scored_until = 0.0, 0, 1
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, stride):
+            window = torch.tensor(ids[start:start + seq_len])[None]
+            if window.shape[1] < 2 or start + window.shape[1] <= scored_until:
+                continue
+            labels = window.clone()
+            labels[:, :max(1, scored_until - start)] = -100  # already scored (or the first token)
+            n = int((labels[:, 1:] != -100).sum())
+            total += float(model(input_ids=window, labels=labels).loss) * n
+            count += n
+            scored_until = start + window.shape[1]
+    return total / count, count
+
+
+def test_moeify_eval_matches_direct_transformers_computation(stories, eval_text, tmp_path):
+    """The pinned protocol: text as-is, tokenized once, BOS only at the start, non-overlapping 512-token
+    windows, first token of each window unscored; within 0.005 nats of transformers' own loss."""
+    from moeify.cli.main import main
+
     model, tokenizer = stories
-    result = perplexity(model, tokenizer, eval_text, seq_len=512, batch_size=3)
+    path = tmp_path / "eval.txt"
+    path.write_text(eval_text.text)
+    assert main(["eval", "embedded:stories260K", "--data", str(path), "--seq-len", "512",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())["eval"]["eval.txt"]
     ids = tokenizer(eval_text.text, verbose=False)["input_ids"]
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(ids), 512):
-            window = torch.tensor(ids[start:start + 512])[None]
-            if window.shape[1] < 2:
-                continue
-            loss = model(input_ids=window, labels=window).loss  # HF mean over the window's shifted tokens
-            total += float(loss) * (window.shape[1] - 1)
-            count += window.shape[1] - 1
-    assert result.tokens == count
-    assert abs(result.nll - total / count) < 1e-5
-    assert result.ppl == pytest.approx(math.exp(total / count))
-    assert 3.0 < result.ppl < 5.0  # stories260K's reported TinyStories loss is about 1.3 nats
+    nll, count = _direct_nll(model, ids, 512, 512)
+    assert result["tokens"] == count and result["protocol"] == "windows"
+    assert abs(result["nll"] - nll) < 0.005
+    assert result["ppl"] == pytest.approx(math.exp(result["nll"]))
+    assert result["sha256"] == eval_text.sha256
+    assert 3.0 < result["ppl"] < 5.0  # stories260K's reported TinyStories loss is about 1.3 nats
+
+
+def test_sliding_and_bos_per_doc_protocols(stories, eval_text):
+    model, tokenizer = stories
+    short = TextSource("short", eval_text.text[:6000])
+    ids = tokenizer(short.text, verbose=False)["input_ids"]
+    sliding = perplexity(model, tokenizer, short, seq_len=256, protocol="sliding", stride=128)
+    nll, count = _direct_nll(model, ids, 256, 128)
+    assert sliding.tokens == count == len(ids) - 1 and abs(sliding.nll - nll) < 1e-4
+    assert sliding.nll < perplexity(model, tokenizer, short, seq_len=256).nll  # more context per token
+    per_doc = perplexity(model, tokenizer, short, seq_len=256, protocol="bos-per-doc")
+    docs = [d for d in short.text.split("\n\n") if d.strip()]
+    assert per_doc.tokens == sum(len(tokenizer(d, verbose=False)["input_ids"]) for d in docs) - per_doc.windows
+    with pytest.raises(ValueError, match="stride is required by, and only by"):
+        perplexity(model, tokenizer, short, seq_len=256, protocol="sliding")
 
 
 def test_activated_parameters_by_hand(make_ctx):

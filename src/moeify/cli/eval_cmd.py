@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", help="converted folder, dense folder or hub name ('embedded:stories260K')")
     parser.add_argument("--data", action="append", default=[], help="text/jsonl file, repeatable")
     parser.add_argument("--seq-len", type=int, default=None, help="window length (default: model context)")
+    parser.add_argument("--protocol", choices=("windows", "bos-per-doc", "sliding"), default="windows",
+                        help="perplexity protocol (default windows: text as-is, BOS at start only, non-overlapping "
+                             "windows, first token of each unscored); see moeify.evaluation.perplexity")
+    parser.add_argument("--stride", type=int, default=None, help="window step of --protocol sliding")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="runtime option")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     model, tokenizer = moeify.load_model(args.model, args.device)
     results = moeify.evaluate(model, tokenizer, args.data or None, seq_len=args.seq_len, runtime_options=options,
+                              protocol=args.protocol, stride=args.stride,
                               tasks=args.tasks, task_data=args.task_data, limit=args.limit,
                               batch_size=args.batch_size)
     rows = [(f"perplexity {name}", f"{ppl:.3f}") for name, ppl in results["ppl"].items()]

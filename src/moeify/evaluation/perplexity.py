@@ -1,25 +1,32 @@
-"""Perplexity with one documented protocol.
+"""Perplexity with named, documented protocols.
 
-``windows`` (default): the text as-is, tokenized once (the tokenizer's BOS only at the very start), cut
-into non-overlapping windows of ``seq_len`` tokens (the last one may be shorter); each window is an
-independent sequence, its first token is not scored (it has no context), and the result is the
-token-weighted mean negative log-likelihood over every scored token. This is the GPTQ/SparseGPT
-protocol, except that the tail is kept and no token is scored without context.
+``windows`` (default; the GPTQ/SparseGPT protocol): the text as-is, tokenized once (the tokenizer's BOS
+only at the very start), cut into non-overlapping windows of ``seq_len`` tokens (the last one may be
+shorter); each window is an independent sequence whose first token is not scored (it has no context);
+the result is the token-weighted mean negative log-likelihood over every scored token.
+
+``bos-per-doc``: the same, but every document (a blank-line separated paragraph of a text file, a
+record of a jsonl/json file) is tokenized on its own with its BOS, and the documents are concatenated.
+
+``sliding``: windows of ``seq_len`` tokens that advance by ``stride``; every token is scored once, by
+the first window in which it is not the first token, with up to ``seq_len - 1`` tokens of context (the
+Hugging Face "perplexity of fixed-length models" recipe).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from moeify.calibration.data import TextSource, token_stream
 
-PROTOCOL = "windows: tokenized once, BOS at start only, non-overlapping, first token of each window unscored"
+Protocol = Literal["windows", "bos-per-doc", "sliding"]
+PROTOCOLS: tuple[str, ...] = ("windows", "bos-per-doc", "sliding")
 
 
 @dataclass(frozen=True)
@@ -30,34 +37,60 @@ class Perplexity:
     windows: int
     seq_len: int
     sha256: str
-    protocol: str = PROTOCOL
+    protocol: str
+    stride: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def _stream(source: TextSource, tokenizer: Any, protocol: str) -> Tensor:
+    if protocol != "bos-per-doc":
+        return token_stream(source, tokenizer)
+    docs = [doc for doc in source.text.split("\n\n") if doc.strip()]
+    return torch.cat([token_stream(TextSource(source.name, doc), tokenizer) for doc in docs])
+
+
+def _scored_windows(stream: Tensor, seq_len: int, stride: int | None) -> list[tuple[Tensor, int]]:
+    """(window, number of leading positions not scored) pairs; the first token is never scored."""
+    if stride is None:
+        return [(w, 1) for w in stream.split(seq_len) if len(w) >= 2]
+    windows, scored_until = [], 1  # tokens [0, scored_until) already scored (token 0 never is)
+    for start in range(0, len(stream) - 1, stride):
+        window = stream[start:start + seq_len]
+        if len(window) < 2 or start + len(window) <= scored_until:
+            continue
+        windows.append((window, max(1, scored_until - start)))
+        scored_until = start + len(window)
+    return windows
+
+
 @torch.no_grad()
-def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: int, *, batch_size: int = 8,
-               max_windows: int | None = None, progress: bool = False) -> Perplexity:
-    """Evaluate ``model`` on ``source`` with the ``windows`` protocol (see the module docstring)."""
-    stream = token_stream(source, tokenizer)
-    windows = list(stream.split(seq_len))
-    if len(windows[-1]) < 2:
-        windows.pop()
-    if max_windows is not None:
-        windows = windows[:max_windows]
+def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: int, *, protocol: str = "windows",
+               stride: int | None = None, batch_size: int = 8, max_windows: int | None = None,
+               progress: bool = False) -> Perplexity:
+    """Evaluate ``model`` on ``source`` with ``protocol`` (see the module docstring)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is not allowed; choose one of: {', '.join(PROTOCOLS)}")
+    if (protocol == "sliding") != (stride is not None):
+        raise ValueError("stride is required by, and only by, protocol='sliding'")
+    if stride is not None and not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride} is out of range; allowed: [1, {seq_len}] (seq_len)")
+    windows = _scored_windows(_stream(source, tokenizer, protocol), seq_len, stride)[:max_windows]
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
-    full = [w for w in windows if len(w) == seq_len]
-    groups = [torch.stack(full[i:i + batch_size]) for i in range(0, len(full), batch_size)]
-    groups += [w[None] for w in windows if len(w) != seq_len]
-    for batch in tqdm(groups, desc=f"perplexity {source.name}", disable=not progress):
+    groups: dict[tuple[int, int], list[Tensor]] = {}
+    for window, skip in windows:  # equal shapes batch together
+        groups.setdefault((len(window), skip), []).append(window)
+    batches = [(torch.stack(ws[i:i + batch_size]), skip) for (_, skip), ws in groups.items()
+               for i in range(0, len(ws), batch_size)]
+    for batch, skip in tqdm(batches, desc=f"perplexity {source.name}", disable=not progress):
         batch = batch.to(device)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        nll = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                          reduction="sum")
-        total_nll += float(nll)
-        total_tokens += batch[:, 1:].numel()
+        logits = model(input_ids=batch, use_cache=False).logits[:, skip - 1:-1].float()  # predict tokens skip..
+        targets = batch[:, skip:]
+        total_nll += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                       reduction="sum"))
+        total_tokens += targets.numel()
     mean = total_nll / total_tokens
     return Perplexity(ppl=math.exp(mean), nll=mean, tokens=total_tokens, windows=len(windows), seq_len=seq_len,
-                      sha256=source.sha256)
+                      sha256=source.sha256, protocol=protocol, stride=stride)
