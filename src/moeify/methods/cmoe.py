@@ -38,7 +38,7 @@ from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.options import OptionError, option
+from moeify.methods.options import OptionError, option, require_at_most
 from moeify.moe.build import load_neurons_, moe_from_partition
 from moeify.moe.partition import ExpertPartition, balanced_kmeans, even_sizes, random_partition
 from moeify.runtime.moe import MoeMLP, RepresentativeRouter
@@ -87,13 +87,10 @@ class CmoeConfig:
         return self.num_experts - self.num_shared
 
     def check(self, model_config: PreTrainedConfig) -> None:
-        d_h, context = model_config.intermediate_size, model_config.max_position_embeddings
-        if self.num_experts > d_h:
-            raise OptionError(f"num_experts={self.num_experts} must be <= the MLP width d_h={d_h}")
-        if self.ka > d_h:
-            raise OptionError(f"ka={self.ka} must be <= the MLP width d_h={d_h}")
-        if self.seq_len is not None and self.seq_len > context:
-            raise OptionError(f"seq_len={self.seq_len} must be <= the model's context {context}")
+        d_h = model_config.intermediate_size
+        require_at_most("num_experts", self.num_experts, d_h, "the MLP width d_h")
+        require_at_most("ka", self.ka, d_h, "the MLP width d_h")
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(2048, model_config.max_position_embeddings)

@@ -48,7 +48,7 @@ from moeify.calibration.observers import CoActivation
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext, Method
 from moeify.methods.more_budget import Budget, LayerShape, candidate_layers, solve_budget, solve_naive_budget
-from moeify.methods.options import OptionError, option
+from moeify.methods.options import OptionError, option, require_at_most
 from moeify.moe.build import moe_from_partition, static_layer
 from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
@@ -85,8 +85,7 @@ class MoreConfig:
         candidate_layers(self.layers, model_config.num_hidden_layers)  # raises on a bad list
         if self.num_experts > m - 1:
             raise OptionError(f"num_experts={self.num_experts} must be <= the non-shared channels ({m - 1})")
-        if self.seq_len > context:
-            raise OptionError(f"seq_len={self.seq_len} must be <= the model's context {context}")
+        require_at_most("seq_len", self.seq_len, context, "the model's context")
 
 
 def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:

@@ -23,6 +23,12 @@ def option(default: Any, help: str, *, low: float | None = None, high: float | N
                                                         "low_open": low_open})
 
 
+def require_at_most(name: str, value: int | None, limit: int, what: str) -> None:
+    """Model-dependent upper bounds: ``seq_len=4096 must be <= the model's context (512)``."""
+    if value is not None and value > limit:
+        raise OptionError(f"{name}={value} must be <= {what} ({limit})")
+
+
 def _convert(name: str, raw: Any, annotation: Any) -> Any:
     """Turn a ``--set`` string (or an already typed value) into the field's type."""
     origin, args = get_origin(annotation), get_args(annotation)

@@ -22,7 +22,7 @@ from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import MeanSquares
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.options import OptionError, option
+from moeify.methods.options import OptionError, option, require_at_most
 from moeify.moe.build import static_layer
 from moeify.moe.importance import channel_importance
 
@@ -35,9 +35,7 @@ class StaticPruneConfig:
     seq_len: int | None = option(None, "calibration sequence length (default: min(2048, model context))", low=2)
 
     def check(self, model_config: PreTrainedConfig) -> None:
-        if self.seq_len is not None and self.seq_len > model_config.max_position_embeddings:
-            raise OptionError(f"seq_len={self.seq_len} must be <= the model's context "
-                              f"{model_config.max_position_embeddings}")
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
 
 
 def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
