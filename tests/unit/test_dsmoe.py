@@ -173,9 +173,9 @@ def test_bad_options_fail_with_value_and_allowed_range(options, message):
 
 def test_model_dependent_limits_and_resume_without_a_work_folder(make_ctx):
     config = tiny_model("llama").config
-    with pytest.raises(OptionError, match=r"num_experts=89 must be <= the MLP width d_h=88"):
+    with pytest.raises(OptionError, match=r"num_experts=89 must be <= the MLP width d_h \(88\)"):
         DsmoeConfig(num_experts=89).check(config)
-    with pytest.raises(OptionError, match=r"seq_len=4096 must be <= the model's context 128"):
+    with pytest.raises(OptionError, match=r"seq_len=4096 must be <= the model's context \(128\)"):
         DsmoeConfig(seq_len=4096).check(config)
     with pytest.raises(OptionError, match="resume=true needs a work folder"):
         converted("llama", make_ctx, resume=True)

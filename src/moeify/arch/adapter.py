@@ -190,3 +190,41 @@ class DecoderAdapter:
         Norms inside attention (Qwen3 q_norm/k_norm, Phi qk_layernorm) are not projections and not counted.
         """
         return sum(p.numel() for proj in self.attention_projections(i).values() for p in proj.parameters())
+
+    # ---------------------------------------------------------------- depth
+
+    def mlp_norm_module(self, i: int) -> nn.Module:
+        """The norm in front of layer ``i``'s MLP (in parallel-residual families, the norm the attention
+        shares). Its input is the residual-stream vector the MLP branch reads (h of Dense2MoE Eq. 3)."""
+        return getattr(self.layer(i), self.family.mlp_norm_attr)
+
+    def mlp_norm_affine(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias or None) of that norm's elementwise affine, detached."""
+        norm = self.mlp_norm_module(i)
+        weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{self.layers_path}.{i}.{self.family.mlp_norm_attr} has no affine weight")
+        return weight.detach(), None if bias is None else bias.detach()
+
+    def remove_layers_(self, indices: list[int]) -> None:
+        """Delete the decoder layers ``indices`` (a removed layer's attention and MLP go with it) and keep
+        the model a plain, shorter model of its family: every remaining layer's ``layer_idx`` (its KV-cache
+        slot, in the attention and wherever transformers keeps one) becomes its new position,
+        ``config.num_hidden_layers`` the new count and per-layer config lists (``layer_types``) lose the
+        removed entries. ``generate`` with a ``DynamicCache`` (sized from the config) and a save/reload
+        then need nothing else. Heterogeneous configs (``per_layer_config``) are refused."""
+        if getattr(self.config, "is_heterogeneous", False):
+            raise ValueError("removing layers of a model with a per_layer_config is not supported")
+        doomed = sorted(set(indices), reverse=True)
+        for i in doomed:
+            self.layer(i)  # range check before anything changes
+        for i in doomed:
+            del self._layers[i]  # ModuleList renumbers its keys: the checkpoint names stay contiguous
+        for position, layer in enumerate(self._layers):
+            for module in layer.modules():
+                if hasattr(module, "layer_idx"):
+                    module.layer_idx = position
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None:
+            self.config.layer_types = [t for i, t in enumerate(layer_types) if i not in set(doomed)]
+        self.config.num_hidden_layers = len(self._layers)

@@ -1,7 +1,9 @@
 """moeify's native format: the base model's checkpoint layout plus MoE layers, loadable by transformers.
 
 The folder holds ``config.json`` (the base config with ``model_type = "moeify_<base>"``, an ``auto_map``
-and a ``moeify`` block listing every MoE layer's structure), ``model.safetensors``, the tokenizer, and
+and a ``moeify`` block listing every MoE layer's structure and, for a model that lost decoder layers, their
+parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure itself is the config's own
+``num_hidden_layers``), ``model.safetensors``, the tokenizer, and
 two code files: ``moeify_moe.py`` (a verbatim copy of :mod:`moeify.runtime.moe`) and
 ``modeling_moeify.py``. The changed ``model_type`` makes a plain ``from_pretrained`` without
 ``trust_remote_code`` fail loudly instead of silently loading dense MLPs with missing weights.
@@ -42,7 +44,8 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
         "architectures": ["MoeifyForCausalLM"],
         "auto_map": {"AutoConfig": "modeling_moeify.MoeifyConfig",
                      "AutoModelForCausalLM": "modeling_moeify.MoeifyForCausalLM"},
-        MOEIFY_KEY: {"format_version": runtime_moe.FORMAT_VERSION, "method": method,
+        MOEIFY_KEY: {**(getattr(model.config, MOEIFY_KEY, None) or {}),  # e.g. removed_layers (moe.depth)
+                     "format_version": runtime_moe.FORMAT_VERSION, "method": method,
                      "base_model_type": base_type, "layers": runtime_moe.moe_layer_specs(model)},
     })
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

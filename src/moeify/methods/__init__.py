@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from moeify.methods.base import ConversionContext, Method
 from moeify.methods.cmoe import CMOE, RANDOM_SPLIT
+from moeify.methods.dense2moe import DENSE2MOE
 from moeify.methods.dsmoe import DSMOE
 from moeify.methods.more import MORE
 from moeify.methods.static_prune import STATIC_PRUNE
 
-METHODS: tuple[Method, ...] = (CMOE, MORE, DSMOE, STATIC_PRUNE, RANDOM_SPLIT)  # baselines last
+METHODS: tuple[Method, ...] = (CMOE, MORE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT)  # baselines last
 
 
 def get_method(name: str) -> Method:

@@ -4,20 +4,20 @@
 1. FFN partitioning (§4.1, Eq. 6): each MLP's hidden neurons are cut into ``num_experts`` contiguous
    blocks (sizes differing by at most one when d_h is not a multiple, larger first: 172 into 8 gives
    4 x 22 + 4 x 21); no shared part. The sum of every expert's output is the dense MLP exactly.
-2. Gates (Eq. 7-8): g = sigma(x Y), Y in R^{d x n}; expert i contributes when g_i > tau, with weight
-   (n / |A|) * g_i / sigma(0) where |A| is the token's number of active experts (``ThresholdRouter``).
-   Two choices the paper leaves open, made so that the conversion is exact before training:
-   - Y = 0 at conversion, so g = 1/2 for every token and expert;
-   - the gate value enters relative to an untrained gate (divided by sigma(0) = 1/2, i.e. 2 g): Eq. 7's
-     "o_i * G(g_i)" alone would halve the MLP with every expert on. With tau < 1/2 every gate of the
-     untrained model passes, |A| = n, every weight is 2 * 1/2 = 1: the dense model (tested on every
-     family at tau = 0). Under the paper's own initialisation (random Y, about half the gates above
-     tau = 1/2) the expected output is then the dense one, as the dropout analogy of Eq. 8 intends.
-   - A token none of whose gates exceeds tau gets no expert: the layer's output for it is zero (its
-     residual stream passes on unchanged); it is counted with zero activated experts. Eq. 8 would
-     divide by zero; skipping the FFN is what "propagated only when the gate exceeds tau" says.
-   With steps = 0 the gates stay at exactly 1/2, so no expert passes tau >= 1/2: an untrained
-   conversion is only meant for tau < 1/2 (identity) or as the start of training.
+2. Gates (Eq. 7-8): g = sigma(x Y), Y in R^{d x n}; expert i contributes when its gate passes tau, with
+   weight (n / |A|) * g_i / sigma(0), |A| the token's number of active experts (``ThresholdRouter``).
+   Three choices the paper leaves open, made so that the conversion is exact before training:
+   - Y = 0 at conversion, so g = 1/2 for every token and expert.
+   - The gate value enters relative to an untrained gate (divided by sigma(0) = 1/2): Eq. 7's
+     "o_i * G(g_i)" alone would halve the MLP with every expert on. With every gate passing, |A| = n
+     and every weight is 2 * 1/2 = 1: the dense model (tested on every family at tau = 0).
+   - A gate passes when g >= tau (the paper: g > tau). They differ only at g = tau exactly, i.e. for
+     untrained gates at tau = 1/2, which therefore pass: the untrained model at the default tau is the
+     dense model too, and training starts from it (``dsmoe_train``).
+   A token none of whose gates passes tau gets no expert: the layer's output for it is the MLP's output
+   bias alone (zero in bias-free families, so its residual stream passes on unchanged), and it counts as
+   zero activated experts. Eq. 8 would divide by zero; skipping the FFN is what "propagated only when
+   the gate exceeds tau" says.
 3. Continued training (§4.2-4.3, ``dsmoe_train``): straight-through estimator, LM + sparsity loss, and
    the ablations ``no_ste`` (§6.1) and ``no_gate`` (§6.2) as ``variant``.
 4. Inference: ``MoeMLP`` runs only the experts whose gates pass tau, per token; ``tau`` is a runtime
@@ -25,8 +25,13 @@
 5. Analyses (``dsmoe_analysis``): perplexity and activated-parameter ratio for tau in 0.2..0.8
    (Appendix A, Table 4) and the activated experts per layer on each evaluation file (Fig. 3, PNG).
 
-Defaults for the stories260K scale (the paper: AdamW, lr 2e-5, batch 32, seq 1024, 10B tokens at 1B-7B)
-are chosen and measured in ``benchmarks/bench_dsmoe.py``; they are recorded with every run.
+Defaults, for the scale of the embedded stories260K (5 layers, d = 64, d_h = 172) and its 28.8k-token
+training text; the paper trains 1B-7B models on 10B tokens with AdamW, lr 2e-5, batch 32 x 1024 tokens.
+Here: 200 steps of 8 x 256 tokens (410k tokens, about 14 passes over the text, minutes on a CPU), lr
+2e-4 for the weights (10x the paper's: a run of 410k tokens needs larger steps than one of 10B),
+1e-2 for the gates (they start at zero and must become decisive within the
+run), sparsity weight 1 (Eq. 19). Every effective option is recorded with the run; the measured effect
+is in ``benchmarks/bench_dsmoe.py`` and the README.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from transformers import PreTrainedConfig
 
 from moeify.calibration.data import TextSource
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.options import OptionError, option
+from moeify.methods.options import OptionError, option, require_at_most
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.runtime.moe import ThresholdRouter
@@ -52,7 +57,7 @@ class DsmoeConfig:
                         high=1.0)
     variant: Literal["full", "no_ste", "no_gate"] = option(
         "full", "full: STE (Eq. 11); no_ste: Eq. 7 (§6.1); no_gate: Eq. 20, threshold at inference only (§6.2)")
-    steps: int = option(200, "continued-training optimizer steps (0: partition only, untrained gates)", low=0)
+    steps: int = option(200, "continued-training optimizer steps (0: untrained, the dense model at tau <= 0.5)", low=0)
     lr: float = option(2e-4, "AdamW learning rate of the model's weights", low=0.0, low_open=True)
     gate_lr: float = option(1e-2, "AdamW learning rate of the gates Y", low=0.0, low_open=True)
     batch_size: int = option(8, "sequences per optimizer step", low=1)
@@ -70,11 +75,8 @@ class DsmoeConfig:
             raise OptionError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
 
     def check(self, model_config: PreTrainedConfig) -> None:
-        d_h, context = model_config.intermediate_size, model_config.max_position_embeddings
-        if self.num_experts > d_h:
-            raise OptionError(f"num_experts={self.num_experts} must be <= the MLP width d_h={d_h}")
-        if self.seq_len is not None and self.seq_len > context:
-            raise OptionError(f"seq_len={self.seq_len} must be <= the model's context {context}")
+        require_at_most("num_experts", self.num_experts, model_config.intermediate_size, "the MLP width d_h")
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(256, model_config.max_position_embeddings)

@@ -1,7 +1,7 @@
 """DSMoE's analyses of a converted model on held-out text, written into the record (``details.analysis``).
 
-- Appendix A, Table 4: perplexity and activated-parameter ratio for tau in 0.2, 0.3, ..., 0.8 on each
-  evaluation file. Raising tau can only switch gates off (the active set at tau' > tau is a subset), so
+- Appendix A, Table 4: perplexity and activated-parameter ratio for tau in 0.2, 0.3, ..., 0.8 (and the
+  model's own tau) on each evaluation file. Raising tau can only switch gates off (the active set at tau' > tau is a subset), so
   the activated ratio never grows with tau.
 - §6.3, Fig. 3: the mean number of activated experts per token in each layer on each evaluation file
   at the model's tau, as a heatmap PNG (files x layers) beside the model.
@@ -65,9 +65,8 @@ def activation_heatmap(per_file: dict[str, list[float]], num_experts: int, tau: 
 
 
 def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> dict[str, Any]:
-    model, tokenizer = ctx.model, ctx.tokenizer
-    sweep = tau_sweep(model, tokenizer, sources, seq_len)
-    per_file = {s.name: measure(model, tokenizer, s, seq_len)["experts_per_layer"] for s in sources}
+    sweep = tau_sweep(ctx.model, ctx.tokenizer, sources, seq_len, tuple(sorted({*TAUS, cfg.tau})))
+    per_file = {row["data"]: row["experts_per_layer"] for row in sweep if row["tau"] == cfg.tau}
     out: dict[str, Any] = {"tau_sweep": sweep,
                            "activated_experts": {"tau": cfg.tau, "num_experts": cfg.num_experts, "per_file": per_file}}
     try:

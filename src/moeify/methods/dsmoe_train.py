@@ -10,7 +10,7 @@ same ``MoeMLP`` + ``ThresholdRouter`` objects, whose forward pass equals the wra
 
 Training weights (n / |A| and 1 / sigma(0) as in ``rescaled_gate_weights``):
 - ``full``: S(g) = sg(G(g)) + g - sg(g) (Eq. 10-11): forward G(g), gradient as if ungated.
-- ``no_ste``: G(g) (Eq. 7): an expert at or below tau gets no gradient, nor does its gate (Eq. 9, §6.1).
+- ``no_ste``: G(g) (Eq. 7): an expert below tau gets no gradient, nor does its gate (Eq. 9, §6.1).
 - ``no_gate``: g / sigma(0) for every expert, no threshold and no rescale (Eq. 20, §6.2); the threshold
   applies only at inference.
 
@@ -20,12 +20,18 @@ has no G), added with ``sparsity_weight`` (1 in Eq. 17/19) to the LM loss, itsel
 as written, without the straight-through trick: the sparsity loss pushes down only the gates that are on,
 those that cost compute; the LM gradient, through S, pushes back the gates of useful experts.
 
-Choices the paper leaves open: Y starts at zero at conversion (so the untrained model is the dense one
-for tau < 1/2) and is drawn from N(0, gate_init_std^2) when training starts (the paper's "random
-initialization", §4.2; with Y = 0 every gate would sit exactly at tau = 1/2 and none would pass); AdamW
-with torch's defaults (betas 0.9/0.999, weight decay 0.01) at a constant learning rate; the gates may
-have their own learning rate (``gate_lr``), because at this scale they must move much farther from their
-initialisation than the pre-trained weights should.
+Choices the paper leaves open:
+- Where training starts. The paper initialises the gates at random (§4.2), so that about half the gates
+  pass tau = 1/2 at first. By default (``gate_init_std = 0``) training starts instead from the converted
+  model as it is: Y = 0, every gate exactly 1/2, which passes tau = 1/2 (see ``passing_gates``), every
+  weight 1: the dense model. The first steps then move each gate by the sign of its own gradient, so the
+  experts a token needs least switch off first; a random start drops a random half of every token's
+  neurons at step 0, which a model as small as stories260K does not survive well (its first LM loss is
+  several nats above the dense one). ``gate_init_std > 0`` gives the paper's random start,
+  Y ~ N(0, gate_init_std^2), drawn from ``seed``.
+- AdamW with torch's defaults (betas 0.9/0.999, weight decay 0.01) at a constant learning rate; the
+  gates have their own learning rate (``gate_lr``), because they must move much farther from zero than
+  the pre-trained weights should move in a short run.
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) ->
     adapter = ctx.adapter
     layers: list[MoeMLP] = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
     init_gates_(layers, cfg.gate_init_std, ctx.seed)
-    devices = [DsmoeTrainingMLP(layer, cfg.variant) for layer in layers]
+    wrappers = [DsmoeTrainingMLP(layer, cfg.variant) for layer in layers]
     gate_params = [layer.router.proj.weight for layer in layers]
     gate_ids = {id(p) for p in gate_params}
     weights = [p for p in ctx.model.parameters() if id(p) not in gate_ids]
@@ -137,15 +143,15 @@ def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) ->
 
     def loss(model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
         lm = lm_loss(model, batch)["loss"]
-        sparsity = torch.stack([d.sparsity for d in devices]).mean()  # 1/(LN) sum_l sum_n; Eq. 19
+        sparsity = torch.stack([w.sparsity for w in wrappers]).mean()  # 1/(LN) sum_l sum_n; Eq. 19
         return {"loss": lm + cfg.sparsity_weight * sparsity, "lm": lm, "sparsity": sparsity}  # Eq. 17
 
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
                      checkpoint_every=cfg.checkpoint_every)
     checkpointing = None if ctx.work_dir is None else Checkpointing(
         ctx.work_dir / "dsmoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
-    for i, device in enumerate(devices):
-        adapter.replace_mlp_(i, device)
+    for i, wrapper in enumerate(wrappers):
+        adapter.replace_mlp_(i, wrapper)
     try:
         log = train(ctx.model, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
                     device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,

@@ -7,6 +7,11 @@ a token is routed to, averaged over the tokens the layers actually saw (``measur
 uniform routing with the routers' nominal expert count (``nominal``, e.g. CMoE's (S+A)/E). Router parameters are not
 part of the dense model, so they are reported separately (``router_params``) and not counted in APR,
 as in CMoE's and MoRE's definitions.
+
+Decoder layers a conversion deleted (``moe.depth.remove_layers``, e.g. Dense2MoE's pruned layers) stay
+in the dense total, their attention and MLP projections active for no token: their counts are kept in
+the ``removed_layers`` list of the model config's ``moeify`` block (saved with the native format),
+because the shorter model no longer shows them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from moeify.arch import DecoderAdapter
+from moeify.export.native import MOEIFY_KEY
 from moeify.runtime.moe import MoeMLP
 
 
@@ -66,6 +72,20 @@ class ActiveParams:
         return asdict(self)
 
 
+def layer_mlp_counts(adapter: DecoderAdapter, i: int, measured: bool) -> tuple[float, float, int]:
+    """(dense-equivalent MLP params, expected active MLP params per token, router params) of layer ``i``."""
+    module = adapter.mlp_module(i)
+    if isinstance(module, MoeMLP):
+        return moe_layer_counts(module, measured)
+    dense = adapter.dense_mlp_params(i)
+    return dense, dense, 0
+
+
+def removed_layers(model: nn.Module) -> list[dict[str, int]]:
+    """The layers deleted from ``model`` with their projection counts (see the module docstring)."""
+    return list((getattr(model.config, MOEIFY_KEY, None) or {}).get("removed_layers", []))
+
+
 def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParams:
     """Count the model's activated parameters (see the module docstring)."""
     adapter = DecoderAdapter(model)
@@ -75,17 +95,16 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
     any_measured = False
     for i in range(adapter.num_layers):
         attn += adapter.attention_params(i)
+        dense, active, r = layer_mlp_counts(adapter, i, measured)
         module = adapter.mlp_module(i)
-        if isinstance(module, MoeMLP):
-            dense, active, r = moe_layer_counts(module, measured)
-            any_measured |= measured and module.stats_tokens > 0
-            router += r
-        else:
-            dense = active = adapter.dense_mlp_params(i)
+        any_measured |= measured and isinstance(module, MoeMLP) and module.stats_tokens > 0
+        router += r
         mlp_dense += dense
         mlp_active += active
         per_layer.append(active / dense)
-    total = attn + mlp_dense
+    removed = removed_layers(model)  # in the dense total, never active
+    mlp_dense += sum(entry["mlp_params"] for entry in removed)
+    total = attn + sum(entry["attention_params"] for entry in removed) + mlp_dense
     return ActiveParams(total_params=int(total), active_params=attn + mlp_active, apr=(attn + mlp_active) / total,
                         mlp_ratio=mlp_active / mlp_dense, router_params=router,
                         per_layer_mlp_ratio=per_layer, measured=any_measured)

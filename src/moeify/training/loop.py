@@ -11,12 +11,15 @@ Deterministic: the windows come from one ``torch.Generator`` seeded with ``seed`
 ``Checkpointing``, a checkpoint (model, optimizer, generator and RNG states, the log so far; see
 ``checkpoint.py``) is written every ``checkpoint_every`` steps and after the last one; ``resume=True``
 restores the latest one and continues, so a run killed and resumed ends with the same weights as an
-uninterrupted one. The learning rate is constant (no scheduler state to restore), which also makes
-resuming with more ``steps`` the same as having asked for them at first.
+uninterrupted one. The learning rate is constant unless the plan has a ``schedule`` (a pure function of
+the step, so there is no scheduler state to restore either); a constant rate makes resuming with more
+``steps`` the same as having asked for them at first, a schedule depends on ``steps`` (keep them in the
+fingerprint).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,20 +39,53 @@ def lm_loss(model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
     return {"loss": model(input_ids=batch, labels=batch, use_cache=False).loss}
 
 
+def warmup_cosine(step: int, steps: int, warmup: int, final_ratio: float) -> float:
+    """Learning-rate factor of optimizer step ``step`` (0-based) of ``steps``: linear warm-up, (step + 1) /
+    warmup, over the first ``warmup`` steps, then a cosine decay from 1 to ``final_ratio`` at the last step
+    (Dense2MoE §3.1: warm-up from 0 to 1e-4, cosine decay to 1e-5)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = steps - 1 - warmup
+    progress = 1.0 if span <= 0 else (step - warmup) / span
+    return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """A ``TrainPlan.schedule``: ``warmup_cosine`` with these parameters, times each group's base rate."""
+
+    warmup: int
+    final_ratio: float = 0.1
+
+    def factor(self, step: int, steps: int) -> float:
+        return warmup_cosine(step, steps, self.warmup, self.final_ratio)
+
+
+def scale_lr_(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Every group's rate := factor x its base rate, kept as ``initial_lr`` (as torch's schedulers do), which
+    the optimizer state, hence a checkpoint, carries."""
+    for group in optimizer.param_groups:
+        group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+
+
 @dataclass(frozen=True)
 class TrainPlan:
     """``steps`` optimizer steps on ``batch_size`` windows of ``seq_len`` tokens, split into ``grad_accum``
-    micro-batches; with checkpointing, a checkpoint every ``checkpoint_every`` steps (0: only the last)."""
+    micro-batches; with checkpointing, a checkpoint every ``checkpoint_every`` steps (0: only the last);
+    ``schedule``: the learning-rate schedule (None: constant)."""
 
     steps: int
     batch_size: int
     seq_len: int
     grad_accum: int = 1
     checkpoint_every: int = 0
+    schedule: WarmupCosine | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+        if self.schedule is not None and self.schedule.warmup > self.steps:
+            raise ValueError(f"warmup={self.schedule.warmup} must be <= steps={self.steps}")
 
 
 @dataclass(frozen=True)
@@ -129,6 +165,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                 (parts["loss"] / plan.grad_accum).backward()
                 for name, value in parts.items():
                     sums[name] = sums.get(name, 0.0) + float(value.detach()) / plan.grad_accum
+            if plan.schedule is not None:
+                scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
             optimizer.step()
             if after_step is not None:
                 after_step()

@@ -1,0 +1,262 @@
+"""Export a converted model to a standard Hugging Face MoE architecture that serving engines load.
+
+``EXPORTERS[name].supports(model, explain=True)`` says whether the format represents the conversion
+exactly and, if not, every reason; ``build`` makes the target model with transformers' own config and
+model classes (so transformers owns the checkpoint layout), copies attention, norms and embeddings by
+name and the MoE layers from ``hf_formats``, fills every tensor exactly once, and measures the largest
+logit difference to the source; ``save_hf`` writes it with ``save_pretrained``. The native format
+(``moeify.save``) stays the lossless default: these formats exist for vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
+
+from moeify.arch import DecoderAdapter, UnsupportedFamilyError
+from moeify.export.hf_formats import FORMATS, Source, TargetFormat
+from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
+from moeify.export.io import atomic_dir
+from moeify.runtime.moe import MoeMLP
+
+EXPORT_RECORD = "moeify_export.json"
+PROBE_SHAPE = (2, 64)  # random token ids the source and the export are compared on
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+EXACT_TOLERANCE = 1e-4  # relative to the largest |logit|; fp32 exports land near 1e-6
+
+
+class NotExportable(ValueError):
+    """The model cannot be written in the requested format; the message lists every reason."""
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a format represents a model; ``bool(support)`` is the answer, ``reasons`` say why not.
+    ``distillable``: every reason is a non-linear router that ``--distill-router`` would replace."""
+
+    format: str
+    reasons: tuple[str, ...] = ()
+    distillable: bool = False
+
+    def __bool__(self) -> bool:
+        return not self.reasons
+
+    def __str__(self) -> str:
+        if not self.reasons:
+            return f"{self.format}: represents the model exactly"
+        return f"{self.format} cannot represent this model:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+
+
+@dataclass
+class HfExport:
+    """The model in a standard format, in memory, and what is known about its fidelity."""
+
+    model: PreTrainedModel
+    format: str
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window when it is shorter than the context (Mistral, Qwen2 with sliding layers)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window if window is not None and window < config.max_position_embeddings else None
+
+
+def _source(model: PreTrainedModel) -> tuple[Source, dict[str, torch.Tensor], list[str]]:
+    """The non-MLP tensors of ``model`` (attention, norms, embeddings) and reasons no format takes it."""
+    adapter = DecoderAdapter(model)
+    mlp_prefixes = tuple(adapter.mlp_path(i) + "." for i in range(adapter.num_layers))
+    tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(mlp_prefixes)}
+    reasons = []
+    if adapter.uses_parallel_residual():
+        reasons.append("attention and MLP read the same input (parallel residual); the formats chain them")
+    if (window := _sliding_window(model.config)) is not None:
+        reasons.append(f"attention uses a sliding window of {window} tokens (< the context "
+                       f"{model.config.max_position_embeddings}); the formats attend to the whole context")
+    return Source(model.config, frozenset(tensors)), tensors, reasons
+
+
+def _target_mlp_prefixes(config: PretrainedConfig) -> tuple[str, ...]:
+    return tuple(f"model.layers.{i}.mlp." for i in range(config.num_hidden_layers))
+
+
+def _layout_reasons(fmt: TargetFormat, source: Source, config: PretrainedConfig,
+                    tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Compare the source's non-MLP tensors with the target's, by name and shape (a meta-device model:
+    no memory). A name the target lacks means the source computes something the format cannot
+    (an o_proj bias, a fused qkv projection, LayerNorm biases)."""
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(config).state_dict()
+    target = {k: v for k, v in target.items() if not k.startswith(_target_mlp_prefixes(config))}
+    extra = sorted(set(source.keys) - set(target))
+    lacking = sorted(k for k in set(target) - set(source.keys) if not k.endswith(fmt.zero_filled))
+    reasons = []
+    if extra:
+        reasons.append(f"{len(extra)} source tensors have no place in {fmt.name} (e.g. {', '.join(extra[:3])}): "
+                       "its attention, norms or embeddings differ from the source family's")
+    if lacking:
+        reasons.append(f"{fmt.name} needs tensors the source lacks (e.g. {', '.join(lacking[:3])})")
+    shapes = [k for k in set(target) & set(source.keys) if tuple(target[k].shape) != tuple(tensors[k].shape)]
+    if shapes:
+        reasons.append(f"shapes differ for {', '.join(sorted(shapes)[:3])}")
+    return reasons
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    """What ``supports`` decides and ``build`` reuses: the layers, the non-MLP tensors, the target config."""
+
+    support: Support
+    parts: list[LayerParts] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    config: PretrainedConfig | None = None
+
+
+class HfExporter:
+    """One standard format: ``supports`` (with reasons), ``build`` (the target model in memory)."""
+
+    def __init__(self, fmt: TargetFormat) -> None:
+        self.format = fmt
+
+    @property
+    def name(self) -> str:
+        return self.format.name
+
+    def _analyse(self, model: PreTrainedModel, routings: dict[str, Routing] | None) -> _Analysis:
+        try:
+            source, tensors, reasons = _source(model)
+        except UnsupportedFamilyError as error:
+            return _Analysis(Support(self.name, (str(error),)))
+        parts, errors = layer_parts(model, routings)
+        # Only the routers stand in the way (so far: the format's own checks run once every layer is known).
+        distillable = bool(errors) and not reasons and all(e.distillable for e in errors)
+        reasons += grouped_reasons(errors)
+        if not errors:
+            reasons += self.format.explain(parts, source)
+        config = None
+        if not reasons:
+            config = self.format.config(parts, source)
+            reasons += _layout_reasons(self.format, source, config, tensors)
+        return _Analysis(Support(self.name, tuple(reasons), distillable), parts, tensors, config)
+
+    def supports(self, model: PreTrainedModel, *, explain: bool = False,
+                 routings: dict[str, Routing] | None = None) -> bool | Support:
+        """Whether this format represents ``model`` (with ``routings`` replacing some routers, e.g. distilled
+        ones); with ``explain=True`` a ``Support`` whose ``reasons`` say precisely why not."""
+        support = self._analyse(model, routings).support
+        return support if explain else bool(support)
+
+    @torch.no_grad()
+    def build(self, model: PreTrainedModel, *, routings: dict[str, Routing] | None = None) -> HfExport:
+        """The model in this format, built by transformers from its own config; raises ``NotExportable``."""
+        analysis = self._analyse(model, routings)
+        if not analysis.support:
+            raise NotExportable(str(analysis.support))
+        parts, config = analysis.parts, analysis.config
+        dtype = next(model.parameters()).dtype
+        # grouped_mm (transformers' default experts kernel) has no float64; eager computes the same function
+        kernel = {} if dtype in GROUPED_MM_DTYPES else {"experts_implementation": "eager"}
+        with no_init_weights():  # every tensor is overwritten below, and checked to be
+            target = AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
+        state = target.state_dict()
+        written = set()
+        for key, value in {**analysis.tensors, **self.format.tensors(parts, config)}.items():
+            state[key].copy_(value)
+            written.add(key)
+        for key in set(state) - written:
+            if key.endswith(self.format.zero_filled):
+                state[key].zero_()
+                written.add(key)
+        if unwritten := sorted(set(state) - written):
+            raise RuntimeError(f"internal error: {self.name} tensors left unwritten: {', '.join(unwritten[:5])}")
+        target = target.to(next(model.parameters()).device).eval()
+        approximate = any(p.routing is not None and p.routing.approximate for p in parts)
+        record = {"format": self.name, "exact": not approximate, **_compare(model, target, approximate),
+                  "layers": [_layer_record(p) for p in parts],
+                  "params": {"source": _count(model), "export": _count(target)}}
+        return HfExport(target, self.name, record)
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _layer_record(part: LayerParts) -> dict[str, Any]:
+    return {"path": part.path, "routed": part.routed, "shared_width": part.shared.width,
+            "expert_widths": [e.width for e in part.experts],
+            "routing": None if part.routing is None else {"top_k": part.routing.top_k,
+                                                          "weighting": part.routing.weighting,
+                                                          "approximate": part.routing.approximate}}
+
+
+def _compare(source: PreTrainedModel, target: PreTrainedModel, approximate: bool) -> dict[str, Any]:
+    """Largest |logit difference| on random token ids; an exact export that misses the tolerance is a bug
+    (or a family difference the name checks missed), so it fails rather than being written."""
+    device = next(source.parameters()).device
+    length = min(PROBE_SHAPE[1], source.config.max_position_embeddings)
+    ids = torch.randint(0, source.config.vocab_size, (PROBE_SHAPE[0], length),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    expected = source(input_ids=ids, use_cache=False).logits.float()
+    diff = float((target(input_ids=ids, use_cache=False).logits.float() - expected).abs().max())
+    bound = EXACT_TOLERANCE * max(1.0, float(expected.abs().max()))
+    if not approximate and expected.dtype == torch.float32 and next(source.parameters()).dtype == torch.float32 \
+            and diff > bound:
+        raise RuntimeError(f"the {target.config.model_type} export differs from the source by {diff:.3g} in the "
+                           f"logits (allowed {bound:.3g}); not written — please report this model")
+    return {"max_abs_logit_diff": diff, "probe": f"{PROBE_SHAPE[0]}x{length} random token ids (seed 0)"}
+
+
+def distillable_layers(model: PreTrainedModel) -> list[str]:
+    """Paths of the MoE layers whose router ``--distill-router`` can replace by a fitted linear one."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoeMLP) and module.router is not None:
+            try:
+                linear_routing(module.router)
+            except NotRepresentable as error:
+                if error.distillable:
+                    out.append(name)
+    return out
+
+
+def _legacy_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta``/``rope_scaling`` (and ``partial_rotary_factor``) next to ``rope_parameters``, for
+    loaders older than transformers 5 (and vLLM versions that read them)."""
+    rope = dict(config.get("rope_parameters") or {})
+    legacy: dict[str, Any] = {"rope_theta": rope.get("rope_theta", 10000.0)}
+    kind = rope.get("rope_type", "default")
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    legacy["rope_scaling"] = None if kind == "default" else {**scaling, "type": kind}
+    if "partial_rotary_factor" in rope:
+        legacy["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    return legacy
+
+
+def save_hf(export: HfExport, out: str | Path, tokenizer: Any = None, *, overwrite: bool = False,
+            record: dict[str, Any] | None = None) -> Path:
+    """Write ``export`` atomically: transformers' ``save_pretrained`` (its original checkpoint layout,
+    per-expert tensors), the tokenizer, legacy rope keys and ``moeify_export.json``."""
+    out = Path(out)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        export.model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        config_path = tmp / "config.json"
+        config = json.loads(config_path.read_text())
+        config.update(_legacy_rope_keys(config))
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps({**export.record, **(record or {})}, indent=2, default=str) + "\n")
+    return out
+
+
+EXPORTERS: dict[str, HfExporter] = {name: HfExporter(fmt) for name, fmt in FORMATS.items()}

@@ -1,0 +1,250 @@
+"""Every decoder layer's MLP as the pieces a standard MoE checkpoint stores, whatever the method made it.
+
+Standard formats (``glm4_moe``, ``qwen2_moe``, ``mixtral``) know only gated MLPs without biases, an
+optional always-on part, equal-width routed experts and a *linear* router whose scores are ``x @ W.T``.
+``layer_parts`` reduces a converted model to exactly that (``LayerParts``), or says, per layer, why it
+cannot; ``fold`` then reshapes one layer to the widths a format fixes for all layers without changing
+what it computes. Nothing here knows a format's module names: that is ``hf_formats``' business.
+
+Why a cosine-prototype router (MoRE) is linear: its top-1 choice maximises
+``x.mu_i / (|x| |mu_i| + eps)``; without ``eps`` that is ``argmax_i x.(mu_i / |mu_i|)`` because ``|x|``
+is the same for every expert. The ``eps`` (1e-6) scales cosine i by 1 - eps / (|x| |mu_i|), so it can
+only swap two experts whose cosines differ by less than about that (1e-7 for |x| |mu_i| = 10): the
+float32 rounding of the cosine itself. So the unit-length prototypes are an exact linear router for
+top-1 up to rounding; the export measures the logits to show it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from moeify.arch import DecoderAdapter
+from moeify.runtime.moe import MoeMLP, PrototypeRouter, SoftmaxTopKRouter
+
+Weighting = Literal["unit", "softmax"]
+SUPPORTED_ACT = "silu"  # the only MLP activation vLLM's MoE kernels implement for these formats
+
+
+class NotRepresentable(ValueError):
+    """A part of the model that no standard format computes; ``distillable`` when a fitted linear router
+    (``--distill-router``) would make it exportable, approximately. ``where``: the layer, once known."""
+
+    def __init__(self, reason: str, distillable: bool = False, where: str = "") -> None:
+        super().__init__(f"{where}: {reason}" if where else reason)
+        self.reason, self.distillable, self.where = reason, distillable, where
+
+    def at(self, where: str) -> "NotRepresentable":
+        return NotRepresentable(self.reason, self.distillable, where)
+
+
+def grouped_reasons(errors: list[NotRepresentable]) -> list[str]:
+    """One line per distinct reason, naming every layer it applies to (five CMoE layers: one line)."""
+    layers: dict[str, list[str]] = {}
+    for error in errors:
+        layers.setdefault(error.reason, []).append(error.where)
+    return [f"{', '.join(where)}: {reason}" for reason, where in layers.items()]
+
+
+@dataclass(frozen=True)
+class GatedMlp:
+    """``down(silu(gate x) * up x)`` as plain tensors in ``nn.Linear`` layout: gate/up (w, d), down (d, w)."""
+
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+
+    @property
+    def width(self) -> int:
+        return self.up.shape[0]
+
+    @staticmethod
+    def empty(hidden: int, like: Tensor) -> "GatedMlp":
+        rows = like.new_zeros(0, hidden)
+        return GatedMlp(rows, rows, like.new_zeros(hidden, 0))
+
+    def cat(self, other: "GatedMlp") -> "GatedMlp":
+        """Both neuron sets side by side: computes self(x) + other(x)."""
+        return GatedMlp(torch.cat([self.gate, other.gate]), torch.cat([self.up, other.up]),
+                        torch.cat([self.down, other.down], dim=1))
+
+    def padded(self, width: int) -> "GatedMlp":
+        """Zero neurons appended up to ``width``: a zero up row gives h = 0 and a zero down column adds 0,
+        so the function is unchanged (exactly, for any activation)."""
+        extra = width - self.width
+        if extra < 0:
+            raise ValueError(f"cannot pad width {self.width} down to {width}")
+        return GatedMlp(nn.functional.pad(self.gate, (0, 0, 0, extra)), nn.functional.pad(self.up, (0, 0, 0, extra)),
+                        nn.functional.pad(self.down, (0, extra)))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A linear router: scores ``x @ weight.T`` (weight (experts, d)), the ``top_k`` best experts run.
+
+    ``weighting``: ``"unit"``, every chosen expert weighs 1 (MoRE, CMoE with u = 0); ``"softmax"``, it
+    weighs its softmax probability over all experts, not renormalised (Dense2MoE's g_i). ``approximate``:
+    fitted to a non-linear router's decisions (``--distill-router``), not the model's own router."""
+
+    weight: Tensor
+    top_k: int
+    weighting: Weighting
+    approximate: bool = False
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """Layer ``index``'s MLP: ``shared`` runs on every token (the whole MLP of a dense layer), ``experts``
+    are routed by ``routing`` (None: nothing is routed). ``input_bound`` bounds |x| at the MLP input
+    (sqrt(d) max|gamma| after an RMSNorm), so a sigmoid router's scores can be kept off saturation."""
+
+    index: int
+    path: str
+    shared: GatedMlp
+    experts: tuple[GatedMlp, ...]
+    routing: Routing | None
+    input_bound: float
+
+    @property
+    def routed(self) -> bool:
+        return self.routing is not None
+
+
+def linear_routing(router: nn.Module) -> tuple[Routing, float]:
+    """The router as a linear ``Routing`` and the constant factor c of every routed weight (c = 1 but
+    for Dense2MoE's p_i E / k), which is folded into the experts' down projections; or
+    ``NotRepresentable`` saying why the router is not linear.
+
+    Besides the routers of moeify's methods, any router exposing ``linear_score_weight() -> (experts, d)``,
+    ``weighting`` (``"unit"`` or ``"softmax"``) and ``top_k`` is linear (e.g. ToMoE's, when it exists)."""
+    kind = getattr(router, "kind", type(router).__name__)
+    if isinstance(router, PrototypeRouter):  # unit-length prototypes: see the module docstring for eps
+        protos = router.prototypes.detach().double()
+        norms = protos.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(protos.dtype).tiny)
+        return Routing(protos / norms, router.top_k, "unit"), 1.0  # a zero prototype stays zero (similarity 0)
+    if isinstance(router, SoftmaxTopKRouter):  # weights p_i * E / k: softmax probabilities times a constant
+        return Routing(router.proj.weight.detach().double(), router.top_k, "softmax"), router.num_experts / router.top_k
+    if hasattr(router, "linear_score_weight"):
+        weighting = getattr(router, "weighting", None)
+        if weighting not in ("unit", "softmax"):
+            raise NotRepresentable(f"router {kind!r} has weighting={weighting!r}; exportable: 'unit', 'softmax'")
+        return Routing(router.linear_score_weight().detach().double(), int(router.top_k), weighting), 1.0
+    if getattr(router, "top_k", None) == 1:
+        raise NotRepresentable(
+            f"router {kind!r} is not linear in x (CMoE's scores are the SwiGLU hidden values of representative "
+            "neurons), and standard formats only compute linear scores x @ W.T; pass --distill-router STEPS to fit a "
+            "linear router to its decisions on calibration text (an approximation, reported as such)",
+            distillable=True)
+    raise NotRepresentable(f"router {kind!r} chooses a token-dependent set of experts that no linear top-k router "
+                           "of a standard format reproduces")
+
+
+def _gated(weights: tuple[Tensor | None, Tensor, Tensor], what: str) -> GatedMlp:
+    gate, up, down = weights
+    if gate is None:
+        raise NotRepresentable(f"{what} is a two-layer MLP; standard MoE formats need gated (SwiGLU) MLPs")
+    return GatedMlp(gate.detach(), up.detach(), down.detach())
+
+
+def _module_part(expert: nn.Module, what: str) -> GatedMlp:
+    neurons = expert.neurons
+    if neurons.up.bias is not None:
+        raise NotRepresentable(f"{what} has biases in its up/gate projections; standard formats have none")
+    gate = None if neurons.gate is None else neurons.gate.weight
+    return _gated((gate, neurons.up.weight, expert.down.weight), what)
+
+
+def _input_bound(adapter: DecoderAdapter, i: int, hidden: int) -> float:
+    norm = adapter.layer(i).get_submodule(adapter.family.mlp_norm_attr)
+    gamma = getattr(norm, "weight", None)
+    scale = 1.0 if gamma is None else float(gamma.detach().abs().max())
+    return hidden ** 0.5 * scale
+
+
+def _moe_parts(module: MoeMLP, routing: Routing | None) -> tuple[GatedMlp | None, tuple, Routing | None]:
+    shared = None if module.shared is None else _module_part(module.shared, "the shared part")
+    experts = tuple(_module_part(e, f"expert {n}") for n, e in enumerate(module.experts))
+    act = (module.shared if module.shared is not None else module.experts[0]).neurons.act_name
+    if act != SUPPORTED_ACT:
+        raise NotRepresentable(f"the MoE layer uses activation {act!r}; exportable: {SUPPORTED_ACT!r}")
+    if module.down_bias is not None:
+        raise NotRepresentable("the MoE layer has an output bias; standard formats have none")
+    if module.router is not None and routing is None:
+        routing, scale = linear_routing(module.router)
+        if scale != 1.0:  # a constant on every routed weight is a constant on every expert's output
+            experts = tuple(replace(e, down=e.down * scale) for e in experts)
+    return shared, experts, routing
+
+
+def layer_parts(model: nn.Module, routings: dict[str, Routing] | None = None
+                ) -> tuple[list[LayerParts], list[NotRepresentable]]:
+    """Every layer as ``LayerParts``, and why (one error per layer that cannot be) it is not possible.
+
+    ``routings`` replaces the routers of the named layers (paths as in the native config), e.g. by
+    distilled ones."""
+    adapter = DecoderAdapter(model)
+    hidden = model.config.hidden_size
+    parts: list[LayerParts] = []
+    errors: list[NotRepresentable] = []
+    for i in range(adapter.num_layers):
+        where = adapter.mlp_path(i)
+        try:
+            module = adapter.mlp_module(i)
+            if isinstance(module, MoeMLP):
+                shared, experts, routing = _moe_parts(module, (routings or {}).get(where))
+            else:
+                mlp = adapter.mlp(i)
+                shared, experts, routing = _gated((mlp.gate, mlp.up, mlp.down), "the dense MLP"), (), None
+                if mlp.act != SUPPORTED_ACT:
+                    raise NotRepresentable(f"the dense MLP uses activation {mlp.act!r}; exportable: {SUPPORTED_ACT!r}")
+                if any(b is not None for b in (mlp.up_bias, mlp.gate_bias, mlp.down_bias)):
+                    raise NotRepresentable("the dense MLP has biases; standard formats have none")
+            if routing is not None and routing.weight.shape[0] != len(experts):
+                raise NotRepresentable(f"the router scores {routing.weight.shape[0]} experts, the layer has "
+                                       f"{len(experts)}")
+        except NotRepresentable as error:
+            errors.append(error.at(where))
+            continue
+        if shared is None:
+            shared = GatedMlp.empty(hidden, experts[0].up)
+        parts.append(LayerParts(i, where, shared, experts, routing, _input_bound(adapter, i, hidden)))
+    return parts, errors
+
+
+def aligned_width(width: int) -> int:
+    """Stacked expert widths padded so every row stride is a multiple of 16 bytes in 2-byte dtypes (what
+    transformers' grouped_mm path needs), to a multiple of 64 when that adds at most 1/8 of the width."""
+    by64 = -(-width // 64) * 64
+    return by64 if by64 - width <= width / 8 else -(-max(width, 1) // 8) * 8
+
+
+def fold(part: LayerParts, shared_width: int, num_experts: int) -> tuple[GatedMlp, list[GatedMlp], Tensor]:
+    """The layer as ``shared_width`` always-on neurons, ``num_experts`` routed experts and their router
+    weight (num_experts, d), computing the same function under unit-weight top-1 routing.
+
+    Shared neurons beyond ``shared_width`` join every expert: each token runs exactly one expert with
+    weight 1, so it still runs them exactly once (this is how Mixtral, which has no shared part, carries
+    MoRE's backbone). A layer with nothing routed puts that overflow in every expert behind a zero
+    router. Missing experts repeat expert 0 with its router row: a tie between identical experts gives
+    the same output whichever wins. Both need unit-weight top-1 routing, which ``hf_formats.routing_reasons``
+    requires unless every routed layer has the same number of experts and a shared part that fits."""
+    shared = part.shared
+    overflow = GatedMlp.empty(shared.up.shape[1], shared.up)
+    if shared.width > shared_width:
+        overflow = replace(shared, gate=shared.gate[shared_width:], up=shared.up[shared_width:],
+                           down=shared.down[:, shared_width:])
+        shared = replace(shared, gate=shared.gate[:shared_width], up=shared.up[:shared_width],
+                         down=shared.down[:, :shared_width])
+    if part.routing is None:
+        experts = [overflow] * num_experts
+        weight = shared.up.new_zeros(num_experts, shared.up.shape[1])
+    else:
+        experts = [overflow.cat(e) for e in part.experts]
+        weight = part.routing.weight.to(shared.up.dtype)
+        missing = num_experts - len(experts)
+        experts += [experts[0]] * missing
+        weight = torch.cat([weight, weight[:1].expand(missing, -1)])
+    return shared.padded(shared_width), experts, weight

@@ -1,0 +1,61 @@
+"""CMoE's router is not linear, so no standard format holds it: export fails saying why and what to do;
+``--distill-router`` fits linear routers to its decisions and reports agreement and perplexity change."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import moeify
+from moeify.api import ConversionResult
+from moeify.cli.main import main
+from moeify.export.hf_distill import agreement, fit_linear_router
+from moeify.methods.cmoe import CmoeConfig, convert
+from tests.conftest import clone
+
+
+@pytest.fixture(scope="module")
+def cmoe_folder(stories, tokenizer, calib_text, tmp_path_factory):
+    from moeify.methods import ConversionContext
+
+    ctx = ConversionContext(clone(stories[0]), tokenizer, calib_text, 0, torch.device("cpu"), progress=False)
+    convert(ctx, CmoeConfig(calib_samples=4, seq_len=64))  # S1A1E8: top-1 over 8 routed experts
+    result = ConversionResult(ctx.model, tokenizer, {"method": "cmoe"})
+    return moeify.save(result, tmp_path_factory.mktemp("cmoe") / "native")
+
+
+def test_export_without_distillation_says_why_and_what_to_do(cmoe_folder, tmp_path, capsys):
+    assert main(["export", str(cmoe_folder), "--format", "glm4_moe", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "glm4_moe cannot represent this model" in err and "is not linear in x" in err
+    assert "pass --distill-router STEPS" in err
+    assert "model.layers.0.mlp, model.layers.1.mlp" in err and err.count("is not linear") == 1  # one line, 5 layers
+    assert not (tmp_path / "out").exists()
+
+
+def test_distilled_export_reports_agreement_and_perplexity_change(cmoe_folder, tmp_path, capsys):
+    out = tmp_path / "glm"
+    assert main(["export", str(cmoe_folder), "--format", "glm4_moe", "--out", str(out), "--distill-router", "200"]) == 0
+    captured = capsys.readouterr()
+    assert "APPROXIMATE (distilled routers)" in captured.out and "warning: the routers were distilled" in captured.err
+    assert "router agreement calib / held-out" in captured.out and "perplexity on tinystories_eval" in captured.out
+    record = json.loads((out / "moeify_export.json").read_text())
+    distill = record["distillation"]
+    assert record["exact"] is False and distill["steps"] == 200
+    assert "NOT the converted model" in distill["approximation"]
+    assert 1 / 8 < distill["held_out_agreement"] <= distill["calib_agreement"] + 0.05 <= 1.05  # beats chance (8)
+    assert distill["ppl_change"] == pytest.approx(distill["export_ppl"] - distill["source_ppl"])
+    assert [layer["original_weight_max_dev_from_1"] for layer in distill["layers"]] == [0.0] * 5  # u = 0
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "Glm4MoeForCausalLM"
+
+
+def test_fit_recovers_a_linear_router():
+    """Choices made by a linear router are reproduced (nearly) exactly: the fit is not the bottleneck."""
+    generator = torch.Generator().manual_seed(0)
+    truth, x = torch.randn(6, 32, generator=generator), 3 * torch.randn(4000, 32, generator=generator)
+    chosen = (x @ truth.T).argmax(dim=-1)
+    weight = fit_linear_router(x[:3000], chosen[:3000], 6, steps=300)
+    assert agreement(weight, x[3000:], chosen[3000:]) > 0.97
+    assert agreement(fit_linear_router(x[:3000], chosen[:3000], 6, steps=1), x[3000:], chosen[3000:]) < 0.97

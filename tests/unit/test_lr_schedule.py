@@ -1,0 +1,50 @@
+"""The shared loop's learning-rate schedule (warm-up, then cosine decay), also across a resume."""
+
+import math
+
+import pytest
+import torch
+
+from moeify.training.loop import Checkpointing, TrainPlan, WarmupCosine, train, warmup_cosine
+from tests.tiny_models import tiny_model
+
+STREAM = torch.randint(3, 128, (2000,), generator=torch.Generator().manual_seed(0))
+
+
+def test_warmup_then_cosine_to_the_final_ratio():
+    factors = [warmup_cosine(step, 10, 4, 0.1) for step in range(10)]
+    assert factors[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # never a zero-rate step
+    assert factors[4] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1)
+    assert factors[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 2 / 5)))
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert warmup_cosine(0, 1, 0, 0.1) == pytest.approx(0.1)  # one step: straight to the final rate
+    with pytest.raises(ValueError, match="warmup=5 must be <= steps=3"):
+        TrainPlan(steps=3, batch_size=2, seq_len=8, schedule=WarmupCosine(5))
+
+
+def run(steps, folder=None, resume=False, kill_at=None):
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = TrainPlan(steps=steps, batch_size=2, seq_len=16, checkpoint_every=2, schedule=WarmupCosine(2, 0.1))
+    rates = []
+
+    def after_step():
+        rates.append(optimizer.param_groups[0]["lr"])
+        if len(rates) == kill_at:
+            raise KeyboardInterrupt("killed")
+
+    checkpointing = None if folder is None else Checkpointing(folder, {"steps": steps}, resume=resume)
+    train(model, optimizer, STREAM, plan, seed=0, device=torch.device("cpu"), checkpointing=checkpointing,
+          after_step=after_step, progress=False)
+    return model, rates
+
+
+def test_the_loop_follows_the_schedule_and_resumes_on_it(tmp_path):
+    reference, rates = run(6)
+    assert rates == pytest.approx([1e-2 * warmup_cosine(s, 6, 2, 0.1) for s in range(6)])
+    with pytest.raises(KeyboardInterrupt):
+        run(6, tmp_path, kill_at=3)  # checkpoint at step 2
+    resumed, later = run(6, tmp_path, resume=True)
+    assert later == pytest.approx(rates[2:])
+    for a, b in zip(reference.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
