@@ -215,10 +215,10 @@ class DecoderAdapter:
         then need nothing else. Heterogeneous configs (``per_layer_config``) are refused."""
         if getattr(self.config, "is_heterogeneous", False):
             raise ValueError("removing layers of a model with a per_layer_config is not supported")
-        doomed = sorted(set(indices), reverse=True)
+        doomed = set(indices)
         for i in doomed:
             self.layer(i)  # range check before anything changes
-        for i in doomed:
+        for i in sorted(doomed, reverse=True):
             del self._layers[i]  # ModuleList renumbers its keys: the checkpoint names stay contiguous
         for position, layer in enumerate(self._layers):
             for module in layer.modules():
@@ -226,5 +226,5 @@ class DecoderAdapter:
                     module.layer_idx = position
         layer_types = getattr(self.config, "layer_types", None)
         if layer_types is not None:
-            self.config.layer_types = [t for i, t in enumerate(layer_types) if i not in set(doomed)]
+            self.config.layer_types = [t for i, t in enumerate(layer_types) if i not in doomed]
         self.config.num_hidden_layers = len(self._layers)
