@@ -4,8 +4,9 @@ The folder holds ``config.json`` (the base config with ``model_type = "moeify_<b
 and a ``moeify`` block listing every MoE layer's structure and, for a model that lost decoder layers, their
 parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure itself is the config's own
 ``num_hidden_layers``), ``model.safetensors``, the tokenizer, and
-two code files: ``moeify_moe.py`` (a verbatim copy of :mod:`moeify.runtime.moe`) and
-``modeling_moeify.py``. The changed ``model_type`` makes a plain ``from_pretrained`` without
+three code files: ``moeify_moe.py`` and ``moeify_attention.py`` (verbatim copies of
+:mod:`moeify.runtime.moe` and :mod:`moeify.runtime.attention`) and ``modeling_moeify.py``. Attention
+modules with a pruned head dimension are listed under ``moeify.attention``. The changed ``model_type`` makes a plain ``from_pretrained`` without
 ``trust_remote_code`` fail loudly instead of silently loading dense MLPs with missing weights.
 """
 
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from moeify.runtime import attention as runtime_attention
 from moeify.runtime import moe as runtime_moe
 
 MOEIFY_KEY = "moeify"
@@ -46,10 +48,12 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
                      "AutoModelForCausalLM": "modeling_moeify.MoeifyForCausalLM"},
         MOEIFY_KEY: {**(getattr(model.config, MOEIFY_KEY, None) or {}),  # e.g. removed_layers (moe.depth)
                      "format_version": runtime_moe.FORMAT_VERSION, "method": method,
-                     "base_model_type": base_type, "layers": runtime_moe.moe_layer_specs(model)},
+                     "base_model_type": base_type, "layers": runtime_moe.moe_layer_specs(model),
+                     "attention": runtime_attention.pruned_attention_specs(model)},
     })
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(runtime_moe.__file__, folder / "moeify_moe.py")
+    shutil.copyfile(runtime_attention.__file__, folder / "moeify_attention.py")
     template = resources.files("moeify.runtime").joinpath("remote_template.py.txt").read_text()
     base_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
     (folder / "modeling_moeify.py").write_text(template.format(
@@ -74,7 +78,8 @@ def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedMod
     for key in ("model_type", "auto_map", "architectures"):
         raw.pop(key, None)
     config = config_cls.from_dict(raw)
-    model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls])
+    model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls], None,
+                                                runtime_attention.install_pruned_attention)
     model = model_cls.from_pretrained(path, config=config, dtype=torch.float32)
     return model.to(device).eval()
 

@@ -1,8 +1,9 @@
 """Activated parameters, per layer and in total.
 
 Counted over the projections of attention and MLP (weights and biases), as MoRE's Eq. 16 defines the
-activated-parameter ratio: APR = (P_attn + E[P_act,mlp]) / (P_attn + P_mlp); embeddings, norms and the
-LM head are outside both numerator and denominator. E[P_act,mlp] is the shared part plus the experts
+activated-parameter ratio: APR = (P_act,attn + E[P_act,mlp]) / (P_attn + P_mlp); embeddings, norms and
+the LM head are outside both numerator and denominator. P_act,attn is P_attn unless the head dimension
+was pruned (``runtime.attention.PrunedAttention``: narrower Q/K, kept or top-K V/O width per token). E[P_act,mlp] is the shared part plus the experts
 a token is routed to, averaged over the tokens the layers actually saw (``measured``), or under
 uniform routing with the routers' nominal expert count (``nominal``, e.g. CMoE's (S+A)/E). Router parameters are not
 part of the dense model, so they are reported separately (``router_params``) and not counted in APR,
@@ -25,6 +26,7 @@ from torch import nn
 
 from moeify.arch import DecoderAdapter
 from moeify.export.native import MOEIFY_KEY
+from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 
 
@@ -81,6 +83,17 @@ def layer_mlp_counts(adapter: DecoderAdapter, i: int, measured: bool) -> tuple[f
     return dense, dense, 0
 
 
+def layer_attention_counts(adapter: DecoderAdapter, i: int) -> tuple[int, int, int]:
+    """(dense attention params, active attention params per token, router params) of layer ``i``: a
+    ``PrunedAttention`` (ToMoE, static_prune) activates narrower Q/K and the kept or top-K V/O width."""
+    module = adapter.attention_module(i)
+    if isinstance(module, PrunedAttention):
+        router = 0 if module.router is None else sum(p.numel() for p in module.router.parameters())
+        return module.dense_params, module.active_params(), router
+    dense = adapter.attention_params(i)
+    return dense, dense, 0
+
+
 def removed_layers(model: nn.Module) -> list[dict[str, int]]:
     """The layers deleted from ``model`` with their projection counts (see the module docstring)."""
     return list((getattr(model.config, MOEIFY_KEY, None) or {}).get("removed_layers", []))
@@ -89,12 +102,15 @@ def removed_layers(model: nn.Module) -> list[dict[str, int]]:
 def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParams:
     """Count the model's activated parameters (see the module docstring)."""
     adapter = DecoderAdapter(model)
-    attn = mlp_dense = mlp_active = 0.0
+    attn = attn_active = mlp_dense = mlp_active = 0.0
     router = 0
     per_layer = []
     any_measured = False
     for i in range(adapter.num_layers):
-        attn += adapter.attention_params(i)
+        dense_attn, active_attn, r = layer_attention_counts(adapter, i)
+        attn += dense_attn
+        attn_active += active_attn
+        router += r
         dense, active, r = layer_mlp_counts(adapter, i, measured)
         module = adapter.mlp_module(i)
         any_measured |= measured and isinstance(module, MoeMLP) and module.stats_tokens > 0
@@ -105,7 +121,8 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
     removed = removed_layers(model)  # in the dense total, never active
     mlp_dense += sum(entry["mlp_params"] for entry in removed)
     total = attn + sum(entry["attention_params"] for entry in removed) + mlp_dense
-    return ActiveParams(total_params=int(total), active_params=attn + mlp_active, apr=(attn + mlp_active) / total,
+    active = attn_active + mlp_active
+    return ActiveParams(total_params=int(total), active_params=active, apr=active / total,
                         mlp_ratio=mlp_active / mlp_dense, router_params=router,
                         per_layer_mlp_ratio=per_layer, measured=any_measured)
 

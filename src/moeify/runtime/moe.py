@@ -284,13 +284,16 @@ def moe_layer_specs(model: nn.Module) -> dict[str, dict[str, Any]]:
     return {name: module.spec() for name, module in model.named_modules() if isinstance(module, MoeMLP)}
 
 
-def moe_causal_lm_class(base_cls: type, config_cls: type | None = None) -> type:
+def moe_causal_lm_class(base_cls: type, config_cls: type | None = None, *installers: Any) -> type:
     """A subclass of a transformers causal-LM class whose constructor installs the MoE layers listed in
-    ``config.moeify["layers"]``, so that ``from_pretrained`` loads a converted checkpoint natively."""
+    ``config.moeify["layers"]``, so that ``from_pretrained`` loads a converted checkpoint natively.
+    Each of ``installers`` (e.g. the pruned attention's) is called with the model and the moeify block."""
 
     def __init__(self, config) -> None:  # noqa: N807
         base_cls.__init__(self, config)
         install_moe_layers(self, config.moeify["layers"])
+        for install in installers:
+            install(self, config.moeify)
 
     attrs: dict[str, Any] = {"__init__": __init__, "__module__": __name__}
     if config_cls is not None:

@@ -1,0 +1,77 @@
+"""Build ``PrunedAttention`` from a dense attention module: shared by ToMoE and the static-prune baseline.
+
+Head-dimension pruning needs LLaMA-style attention: separate q/k/v/o projections and a rotary embedding
+over the whole head, with no norm on the query/key heads (a Qwen3-style q_norm normalises over the
+full head, so a pruned head would change the norm). ``head_dim_support`` says which modules qualify and
+why not otherwise; LLaMA, Mistral and Qwen2 do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from moeify.runtime.attention import HeadDimRouter, PrunedAttention
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def head_dim_support(attn: nn.Module) -> str | None:
+    """None when ``attn`` can have its head dimension pruned, else the reason it cannot."""
+    if not all(isinstance(getattr(attn, name, None), nn.Linear) for name in _PROJECTIONS):
+        return f"{type(attn).__name__} has no separate q_proj/k_proj/v_proj/o_proj projections"
+    if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
+        return f"{type(attn).__name__} normalises query/key heads over the full head dimension"
+    rope = getattr(attn.config, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", getattr(attn.config, "partial_rotary_factor", 1.0))) != 1.0:
+        return f"{type(attn).__name__} rotates only part of each head (partial_rotary_factor != 1)"
+    return None
+
+
+def rope_pairs(first_half: Tensor, head_dim: int) -> Tensor:
+    """ToMoE Appendix A.2: s_0' = [s_0[:hd/2], s_0[:hd/2]], as indices: every kept i < hd/2 with i + hd/2."""
+    first_half = first_half.sort().values
+    return torch.cat([first_half, first_half + head_dim // 2])
+
+
+def _geometry(attn: nn.Module) -> tuple[int, int, int, int]:
+    d = attn.q_proj.in_features
+    head_dim = attn.head_dim
+    return d, attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim, head_dim
+
+
+def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor) -> Tensor:
+    """The rows of a (heads x head_dim, ...) projection at ``index`` within every head."""
+    return weight.reshape(heads, head_dim, *weight.shape[1:])[:, index].reshape(heads * len(index), *weight.shape[1:])
+
+
+def pruned_attention(attn: nn.Module, qk_index: Tensor, vo_index: Tensor | None = None,
+                     router: HeadDimRouter | None = None) -> PrunedAttention:
+    """A ``PrunedAttention`` with the weights of ``attn`` at the kept head dimensions: ``qk_index`` for
+    query/key (pairs, see ``rope_pairs``), and ``vo_index`` (static) or ``router`` (top-K per token)."""
+    reason = head_dim_support(attn)
+    if reason is not None:
+        raise ValueError(f"cannot prune the head dimension: {reason}")
+    if (vo_index is None) == (router is None):
+        raise ValueError("give exactly one of vo_index (static) and router (top-K per token)")
+    d, heads, kv_heads, head_dim = _geometry(attn)
+    spec = {"hidden_size": d, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+            "qk_index": qk_index.tolist(), "vo_index": None if vo_index is None else vo_index.sort().values.tolist(),
+            "router": None if router is None else router.spec(), "bias": attn.q_proj.bias is not None,
+            "o_bias": attn.o_proj.bias is not None, "sliding_window": getattr(attn, "sliding_window", None),
+            "dense_params": sum(p.numel() for name in _PROJECTIONS for p in getattr(attn, name).parameters())}
+    new = PrunedAttention(spec, attn.config, attn.layer_idx).to(attn.q_proj.weight)
+    vo = torch.arange(head_dim) if vo_index is None else torch.tensor(spec["vo_index"])
+    with torch.no_grad():
+        for name, heads_of, index in (("q_proj", heads, qk_index), ("k_proj", kv_heads, qk_index),
+                                      ("v_proj", kv_heads, vo)):
+            old, proj = getattr(attn, name), getattr(new, name)
+            proj.weight.copy_(_rows(old.weight, heads_of, head_dim, index))
+            if old.bias is not None:
+                proj.bias.copy_(_rows(old.bias, heads_of, head_dim, index))
+        new.o_proj.weight.copy_(_rows(attn.o_proj.weight.t(), heads, head_dim, vo).t())
+        if attn.o_proj.bias is not None:
+            new.o_proj.bias.copy_(attn.o_proj.bias)
+        if router is not None:
+            new.router.load_state_dict(router.state_dict())
+    return new

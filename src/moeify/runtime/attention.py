@@ -1,0 +1,193 @@
+"""Attention with a pruned head dimension, as run at inference (ToMoE §3.3 and the static-prune baseline).
+
+Self-contained like ``moe.py`` (only torch and transformers): moeify copies it next to every converted
+model as ``moeify_attention.py``.
+
+``PrunedAttention`` replaces a LLaMA-style attention (separate q/k/v/o projections, rotary embedding on
+the whole head): every head keeps the same head dimensions.
+
+- Query and key keep the static dimensions ``qk_index`` (ToMoE's s_0). RoPE rotates dimension i with
+  i + head_dim/2, so ``qk_index`` must hold both dimensions of every pair it keeps (ToMoE Appendix A.2);
+  the projections are physically narrower and the rotary cos/sin are gathered at the kept dimensions.
+  The softmax scaling stays 1/sqrt(original head_dim): the scores are the dense scores minus the pruned
+  dimensions' terms, nothing else.
+- Value and output keep either static dimensions ``vo_index`` (narrower projections), or, with a
+  ``HeadDimRouter``, the top-K dimensions chosen per token (ToMoE Eq. 4-5): the value of token t is
+  computed only on t's K dimensions, and the output projection of token t reads only t's K dimensions
+  of its attention output, both by gathering the K weight rows per token (real narrower compute). The
+  value cache stores full-width heads with zeros outside each token's dimensions, because the attention
+  mixes tokens with different selections. ``pseudo_moe = True`` computes the same thing as a dense
+  product times a 0/1 mask (ToMoE Appendix B.3); a test pins that both agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+GATHER_CHUNK_ELEMENTS = 1 << 24  # bound on the gathered per-token weights held at once
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class HeadDimRouter(nn.Module):
+    """ToMoE's Eq. 5 after conversion: Proj_D(Proj_E(x) + mean expert embedding) -> the top-K head
+    dimensions per token. The mean expert embedding lives in ``proj_e``'s bias (§3.5); Proj_D is
+    LayerNorm -> GeLU -> Linear (Table 8)."""
+
+    kind = "tomoe_head_dim"
+
+    def __init__(self, hidden_size: int, head_dim: int, embed_dim: int, top_k: int) -> None:
+        super().__init__()
+        self.proj_e = nn.Linear(hidden_size, embed_dim)
+        self.norm = nn.LayerNorm(embed_dim)
+        self.proj_d = nn.Linear(embed_dim, head_dim)
+        self.top_k = top_k
+
+    def logits(self, x: Tensor) -> Tensor:
+        return self.proj_d(nn.functional.gelu(self.norm(self.proj_e(x))))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(..., top_k) indices of the kept head dimensions of every token, ascending."""
+        return self.logits(x).topk(self.top_k, dim=-1).indices.sort(dim=-1).values
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "embed_dim": self.proj_e.out_features, "top_k": self.top_k}
+
+
+class PrunedAttention(nn.Module):
+    """See the module docstring. ``spec()`` rebuilds the structure; the weights come from safetensors."""
+
+    def __init__(self, spec: dict[str, Any], config: Any, layer_idx: int) -> None:
+        super().__init__()
+        d, heads, kv_heads = spec["hidden_size"], spec["num_heads"], spec["num_kv_heads"]
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = spec["head_dim"]
+        self.num_heads, self.num_kv_heads = heads, kv_heads
+        self.num_key_value_groups = heads // kv_heads
+        self.scaling = self.head_dim ** -0.5
+        self.is_causal = True
+        self.attention_dropout = 0.0
+        self.sliding_window = spec.get("sliding_window")
+        self.dense_params = spec["dense_params"]
+        self.register_buffer("qk_index", torch.tensor(spec["qk_index"], dtype=torch.long))
+        qk = len(spec["qk_index"])
+        self.router = None
+        if spec["router"] is not None:
+            router = dict(spec["router"])
+            router.pop("kind")
+            self.router = HeadDimRouter(d, self.head_dim, **router)
+            self.vo_index = None
+            vo = self.head_dim
+        else:
+            self.register_buffer("vo_index", torch.tensor(spec["vo_index"], dtype=torch.long))
+            vo = len(spec["vo_index"])
+        bias = spec["bias"]
+        self.q_proj = nn.Linear(d, heads * qk, bias=bias)
+        self.k_proj = nn.Linear(d, kv_heads * qk, bias=bias)
+        self.v_proj = nn.Linear(d, kv_heads * vo, bias=bias)
+        self.o_proj = nn.Linear(heads * vo, d, bias=spec["o_bias"])
+        self.pseudo_moe = False
+        self._spec = dict(spec)
+
+    def spec(self) -> dict[str, Any]:
+        return dict(self._spec)
+
+    def active_params(self) -> int:
+        """Projection parameters one token uses: narrower q/k, and v/o at the kept (or top-K) width."""
+        qk = self.q_proj.weight.numel() + self.k_proj.weight.numel()
+        biases = sum(p.bias.numel() for p in (self.q_proj, self.k_proj) if p.bias is not None)
+        vo_width = self.router.top_k if self.router is not None else len(self.vo_index)
+        vo = vo_width * self.hidden_size * (self.num_heads + self.num_kv_heads)
+        vo += vo_width * self.num_kv_heads if self.v_proj.bias is not None else 0
+        vo += self.hidden_size if self.o_proj.bias is not None else 0
+        return qk + biases + vo
+
+    @property
+    def hidden_size(self) -> int:
+        return self.q_proj.in_features
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
+                attention_mask: Tensor | None = None, past_key_values: Any = None, **kwargs: Any):
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, self.num_heads, -1).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, t, self.num_kv_heads, -1).transpose(1, 2)
+        cos, sin = position_embeddings
+        cos, sin = cos[..., self.qk_index].unsqueeze(1), sin[..., self.qk_index].unsqueeze(1)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        selected = None if self.router is None else self.router(hidden_states)  # (b, t, K)
+        v = self._values(hidden_states, selected).transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        if interface is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as interface
+        out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                 sliding_window=self.sliding_window, **kwargs)
+        return self._output(out.reshape(b, t, self.num_heads, -1), selected), weights
+
+    def _values(self, x: Tensor, selected: Tensor | None) -> Tensor:
+        """(b, t, kv_heads, width) value states; zeros outside each token's dimensions when routed."""
+        b, t, _ = x.shape
+        if selected is None:
+            return self.v_proj(x).view(b, t, self.num_kv_heads, -1)
+        if self.pseudo_moe:
+            return self.v_proj(x).view(b, t, self.num_kv_heads, -1) * self._mask(selected)[:, :, None, :]
+        weight = self.v_proj.weight.view(self.num_kv_heads, self.head_dim, -1).transpose(0, 1)  # (hd, H, d)
+        bias = None if self.v_proj.bias is None else self.v_proj.bias.view(self.num_kv_heads, -1).t()
+        flat_x, flat_sel = x.reshape(b * t, -1), selected.reshape(b * t, -1)
+        values = x.new_zeros(b * t, self.head_dim, self.num_kv_heads)
+        for rows in self._chunks(b * t, selected.shape[-1] * self.num_kv_heads * x.shape[-1]):
+            idx = flat_sel[rows]                                                  # (n, K)
+            part = torch.einsum("nd,nkhd->nkh", flat_x[rows], weight[idx])        # only K rows per token
+            if bias is not None:
+                part = part + bias[idx]
+            values[rows] = values[rows].scatter(1, idx[:, :, None].expand_as(part), part)
+        return values.transpose(1, 2).reshape(b, t, self.num_kv_heads, self.head_dim)
+
+    def _output(self, attended: Tensor, selected: Tensor | None) -> Tensor:
+        """o_proj of (b, t, heads, width) attention outputs, reading only each token's dimensions."""
+        b, t = attended.shape[:2]
+        if selected is None:
+            return self.o_proj(attended.reshape(b, t, -1))
+        if self.pseudo_moe:
+            return self.o_proj((attended * self._mask(selected)[:, :, None, :]).reshape(b, t, -1))
+        weight = self.o_proj.weight.view(-1, self.num_heads, self.head_dim).permute(2, 1, 0)  # (hd, H, d)
+        flat_sel, flat_att = selected.reshape(b * t, -1), attended.reshape(b * t, self.num_heads, -1)
+        out = attended.new_empty(b * t, weight.shape[-1])
+        for rows in self._chunks(b * t, selected.shape[-1] * self.num_heads * weight.shape[-1]):
+            idx = flat_sel[rows]
+            kept = flat_att[rows].gather(2, idx[:, None, :].expand(-1, self.num_heads, -1))  # (n, H, K)
+            out[rows] = torch.einsum("nhk,nkhd->nd", kept, weight[idx])
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        return out.view(b, t, -1)
+
+    def _mask(self, selected: Tensor) -> Tensor:
+        return torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype,
+                           device=selected.device).scatter(-1, selected, 1.0)
+
+    @staticmethod
+    def _chunks(n: int, elements_per_row: int) -> list[slice]:
+        step = max(1, GATHER_CHUNK_ELEMENTS // max(1, elements_per_row))
+        return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def install_pruned_attention(model: nn.Module, moeify_block: dict[str, Any]) -> None:
+    """Replace the attention modules listed under ``moeify_block["attention"]`` ({path: spec})."""
+    for path, spec in (moeify_block.get("attention") or {}).items():
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        old = getattr(parent, name)
+        setattr(parent, name, PrunedAttention(spec, model.config, getattr(old, "layer_idx", 0)))
+
+
+def pruned_attention_specs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    return {name: module.spec() for name, module in model.named_modules() if isinstance(module, PrunedAttention)}

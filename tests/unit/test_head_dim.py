@@ -1,0 +1,112 @@
+"""Attention with a pruned head dimension: exact against masked dense attention, cached, saved, counted."""
+
+import pytest
+import torch
+
+import moeify
+from moeify.api import ConversionResult
+from moeify.arch import DecoderAdapter
+from moeify.moe.accounting import activated_parameters
+from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
+from moeify.runtime.attention import HeadDimRouter, PrunedAttention
+from tests.conftest import clone
+from tests.tiny_models import tiny_model
+
+IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+HD = 16  # tiny models: hidden 64, 4 heads
+
+
+def _masking_hooks(model, qk_mask, vo_masks):
+    """Hooks that zero the pruned dimensions of the dense model's q/k (static) and v / o inputs (per token)."""
+    handles = []
+    for i, layer in enumerate(DecoderAdapter(model).layers):
+        attn = layer.self_attn
+        tile = lambda out, m: (out.view(*out.shape[:-1], -1, HD) * m).view(out.shape)  # noqa: E731
+        handles.append(attn.q_proj.register_forward_hook(lambda _m, _i, out: tile(out, qk_mask)))
+        handles.append(attn.k_proj.register_forward_hook(lambda _m, _i, out: tile(out, qk_mask)))
+        m = vo_masks[i]
+        handles.append(attn.v_proj.register_forward_hook(lambda _m, inp, out, m=m: tile(out, m(inp[0])[..., None, :])))
+        handles.append(attn.o_proj.register_forward_pre_hook(
+            lambda _m, inp, m=m, a=attn: (tile(inp[0], m(a._last_x)[..., None, :]),)))
+        handles.append(attn.register_forward_pre_hook(
+            lambda mod, args, kwargs: setattr(mod, "_last_x", kwargs.get("hidden_states", args[0] if args else None)),
+            with_kwargs=True))
+    return handles
+
+
+def _prune(model, qk_half, routers=None, vo=None):
+    adapter = DecoderAdapter(model)
+    for i in range(adapter.num_layers):
+        layer = adapter.layer(i)
+        router = None if routers is None else routers[i]
+        layer.self_attn = pruned_attention(layer.self_attn, rope_pairs(qk_half, HD), vo, router)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_keeping_every_dimension_is_the_dense_attention(family):
+    dense = tiny_model(family)
+    model = clone(dense)
+    _prune(model, torch.arange(HD // 2), vo=torch.arange(HD))
+    with torch.no_grad():
+        assert torch.allclose(model(IDS).logits, dense(IDS).logits, atol=1e-5, rtol=0)
+    assert activated_parameters(model).apr == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_and_routed_pruning_equal_masked_dense_attention(family):
+    dense = tiny_model(family)
+    torch.manual_seed(0)
+    routers = [HeadDimRouter(64, HD, embed_dim=8, top_k=5) for _ in range(2)]
+    qk_half = torch.tensor([0, 3, 4, 6])
+    qk_mask = torch.zeros(HD).index_fill(0, rope_pairs(qk_half, HD), 1.0)
+
+    def routed(router):
+        return lambda x: torch.zeros(*x.shape[:-1], HD).scatter(-1, router(x), 1.0)
+
+    handles = _masking_hooks(dense, qk_mask, [routed(r) for r in routers])
+    with torch.no_grad():
+        expected = dense(IDS).logits
+    for h in handles:
+        h.remove()
+    model = clone(dense)
+    _prune(model, qk_half, routers=routers)
+    with torch.no_grad():
+        gathered = model(IDS).logits
+        for module in model.modules():
+            if isinstance(module, PrunedAttention):
+                module.pseudo_moe = True
+        pseudo = model(IDS).logits
+    assert torch.allclose(gathered, expected, atol=1e-5, rtol=0)
+    assert torch.allclose(pseudo, gathered, atol=1e-5, rtol=0)
+    assert not torch.allclose(expected, tiny_model(family)(IDS).logits, atol=1e-3)  # pruning did something
+
+
+def test_cached_generation_save_load_and_counting(tokenizer, tmp_path):
+    model = tiny_model("llama", vocab_size=512, max_position_embeddings=256)
+    total = activated_parameters(model).total_params
+    torch.manual_seed(1)
+    _prune(model, torch.tensor([1, 2, 5]), routers=[HeadDimRouter(64, HD, embed_dim=8, top_k=4) for _ in range(2)])
+    ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+        assert torch.equal(cached, model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False,
+                                                  pad_token_id=0))
+    # By hand, per layer: q 4 heads x 6 dims x 64 + k 2 x 6 x 64; v 2 x 4 x 64 and o 4 x 4 x 64 per token.
+    attn = 4 * 6 * 64 + 2 * 6 * 64 + 2 * 4 * 64 + 4 * 4 * 64
+    mlp = 3 * 64 * 88
+    counted = activated_parameters(model)
+    assert counted.total_params == total and counted.active_params == 2 * (attn + mlp)
+    assert counted.router_params == 2 * (64 * 8 + 8 + 2 * 8 + 8 * HD + HD)
+    out = moeify.save(ConversionResult(model, tokenizer, {"method": "test"}), tmp_path / "out")
+    loaded = moeify.load(out)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_unsupported_attention_is_explained():
+    assert "q_norm" not in (head_dim_support(DecoderAdapter(tiny_model("llama")).attention_module(0)) or "")
+    assert "normalises query/key heads" in head_dim_support(DecoderAdapter(tiny_model("qwen3")).attention_module(0))
+    assert "separate" in head_dim_support(DecoderAdapter(tiny_model("phi3")).attention_module(0))
+    with pytest.raises(ValueError, match="cannot prune the head dimension"):
+        pruned_attention(DecoderAdapter(tiny_model("gpt_neox")).attention_module(0), torch.arange(4),
+                         torch.arange(8))
