@@ -20,9 +20,10 @@ from moeify.evaluation.speed import forward_tokens_per_s
 from moeify.export.io import atomic_dir, check_output_dir
 from moeify.export.native import is_native_folder, load_native, save_native
 from moeify.methods import ConversionContext, get_method
-from moeify.methods.options import OptionError, build_config
+from moeify.methods.options import OptionError, build_config, parse_bool
 from moeify.moe.accounting import activated_parameters, moe_layers, nominal_activated_parameters, tracking_routing
 from moeify.moe.routing import routing_summary
+from moeify.runtime.attention import PrunedAttention
 
 EMBEDDED_MODEL = "embedded:stories260K"
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
@@ -63,9 +64,25 @@ def set_runtime_options(model: PreTrainedModel, options: dict[str, Any]) -> None
     if options and not layers:
         raise OptionError("runtime options (--set) apply to converted models only; this model has no MoE layers")
     for name, value in options.items():
+        if name == "pseudo_moe":  # ToMoE Appendix B.3: masks over the union instead of gathered experts
+            set_pseudo_moe(model, parse_bool(name, value))
+            continue
         for layer in layers:
             if layer.router is not None:  # statically narrowed layers have no runtime options
                 layer.router.set_option(name, value)
+
+
+def set_pseudo_moe(model: PreTrainedModel, on: bool) -> None:
+    """Run ToMoE's MoE layers (and routed attention) as pseudo-MoE: dense products times 0/1 masks
+    (Appendix B.3) instead of gathered experts; the logits are the same (tested)."""
+    layers = [layer for layer in moe_layers(model) if layer.expert_neurons is not None]
+    if not layers:
+        raise OptionError("pseudo_moe applies to models whose experts share neurons (ToMoE); this one has none")
+    for layer in layers:
+        layer.pseudo_moe = on
+    for module in model.modules():
+        if isinstance(module, PrunedAttention):
+            module.pseudo_moe = on
 
 
 @dataclass

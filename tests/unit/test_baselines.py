@@ -8,6 +8,7 @@ from moeify.methods.cmoe import RandomSplitConfig
 from moeify.methods.options import OptionError, build_config
 from moeify.methods.static_prune import StaticPruneConfig, convert
 from moeify.moe.accounting import activated_parameters, moe_layers
+from moeify.runtime.attention import PrunedAttention
 from tests.conftest import clone
 from tests.tiny_models import tiny_model
 
@@ -24,14 +25,19 @@ def test_static_prune_keeping_everything_is_the_dense_model(family, make_ctx):
         torch.testing.assert_close(ctx.model(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
 
 
-def test_static_prune_meets_the_requested_ratio_and_computes_narrow(make_ctx):
+def test_static_prune_mlp_only_meets_the_requested_ratio_and_computes_narrow(make_ctx):
+    """``attention=off`` (the ablation, and the fallback where attention cannot be pruned): MLP channels
+    alone meet the budget, so ratios at or below the attention's share are rejected with the range."""
     ctx = make_ctx(tiny_model("llama", **TINY))
-    details = convert(ctx, StaticPruneConfig(active_ratio=0.6, calib_samples=4, seq_len=64))
+    details = convert(ctx, StaticPruneConfig(active_ratio=0.6, attention="off", calib_samples=4, seq_len=64))
+    assert not details["attention_pruned"] and details["attention_reason"] == "attention=off"
+    assert not any(isinstance(m, PrunedAttention) for m in ctx.model.modules())
     layers = moe_layers(ctx.model)
     assert all(layer.router is None and layer.shared.width == k for layer, k in zip(layers, details["kept_channels"]))
     assert activated_parameters(ctx.model).apr == pytest.approx(0.6, abs=0.005)  # rounding to whole channels
     with pytest.raises(OptionError, match=r"active_ratio=0.3 is out of range .* allowed: \(0.4211, 1.0\]"):
-        convert(make_ctx(tiny_model("llama", **TINY)), StaticPruneConfig(active_ratio=0.3, calib_samples=4, seq_len=64))
+        convert(make_ctx(tiny_model("llama", **TINY)),
+                StaticPruneConfig(active_ratio=0.3, attention="off", calib_samples=4, seq_len=64))
 
 
 def test_random_split_is_cmoe_with_the_random_partition_fixed():

@@ -173,6 +173,10 @@ class DecoderAdapter:
     def attention_module(self, i: int) -> nn.Module:
         return getattr(self.layer(i), self.family.attn_attr)
 
+    def replace_attention_(self, i: int, module: nn.Module) -> None:
+        """Put ``module`` in place of layer ``i``'s attention (e.g. a ``PrunedAttention``)."""
+        setattr(self.layer(i), self.family.attn_attr, module)
+
     def attention_projections(self, i: int) -> dict[str, nn.Linear]:
         """Role -> projection: ``{"q", "k", "v", "o"}`` or, for fused input projections, ``{"qkv", "o"}``."""
         attn = self.attention_module(i)

@@ -51,3 +51,26 @@ def heatmap(values: list[list[float]], *, row_labels: list[str], title: str, xla
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
+
+
+def training_curves(curves: dict[str, list[float]], *, title: str) -> bytes:
+    """One small panel per logged quantity against the optimizer step (e.g. ToMoE's Fig. 3: KD loss, R_P,
+    R_U, R_L). Returns PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(curves)
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.0), dpi=120, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        ax.plot(range(1, len(curves[name]) + 1), curves[name], color="#4C72B0", linewidth=1.2)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()

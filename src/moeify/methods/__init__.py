@@ -8,8 +8,9 @@ from moeify.methods.dense2moe import DENSE2MOE
 from moeify.methods.dsmoe import DSMOE
 from moeify.methods.more import MORE
 from moeify.methods.static_prune import STATIC_PRUNE
+from moeify.methods.tomoe import TOMOE
 
-METHODS: tuple[Method, ...] = (CMOE, MORE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT)  # baselines last
+METHODS: tuple[Method, ...] = (CMOE, MORE, TOMOE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT)  # baselines last
 
 
 def get_method(name: str) -> Method:

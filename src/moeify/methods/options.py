@@ -57,6 +57,11 @@ def _convert(name: str, raw: Any, annotation: Any) -> Any:
         raise OptionError(f"{name}={raw!r} is not a valid {annotation.__name__}") from None
 
 
+def parse_bool(name: str, raw: Any) -> bool:
+    """A boolean option value (true/false, yes/no, on/off, 1/0) or an ``OptionError`` naming it."""
+    return _convert(name, raw, bool)
+
+
 def _check_range(name: str, value: Any, meta: dict[str, Any]) -> None:
     low, high = meta.get("low"), meta.get("high")
     if value is None or (low is None and high is None):

@@ -197,7 +197,8 @@ class MoeMLP(nn.Module):
     """
 
     def __init__(self, experts: list[ExpertMLP], router: nn.Module | None, shared: ExpertMLP | None = None,
-                 down_bias: Tensor | None = None, dense_width: int | None = None) -> None:
+                 down_bias: Tensor | None = None, dense_width: int | None = None,
+                 expert_neurons: list[list[int]] | None = None) -> None:
         super().__init__()
         if (router is None) != (not experts) or (shared is None and not experts):
             raise ValueError("an MoeMLP needs routed experts with a router, or a shared part alone")
@@ -209,6 +210,9 @@ class MoeMLP(nn.Module):
         self.dense_width = widths if dense_width is None else dense_width
         self.track_stats = False
         self.reset_stats()
+        # Which dense neurons each expert holds, when experts overlap (ToMoE): enables ``pseudo_moe``.
+        self.expert_neurons = expert_neurons
+        self.pseudo_moe = False
 
     def reset_stats(self) -> None:
         self.stats_tokens = 0
@@ -218,7 +222,9 @@ class MoeMLP(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        if self.router is not None:
+        if self.pseudo_moe:
+            out = out + self._pseudo_moe(x)
+        elif self.router is not None:
             dispatch = self.router(x)
             start = 0
             for e, n in enumerate(dispatch.counts.tolist()):  # only routed experts run, on their tokens
@@ -234,6 +240,39 @@ class MoeMLP(nn.Module):
         if self.down_bias is not None:
             out = out + self.down_bias
         return out.reshape(shape)
+
+    def _pseudo_moe(self, x: Tensor) -> Tensor:
+        """ToMoE's pseudo-MoE (Appendix B.3, Eq. 17): the union of the experts' neurons as one dense MLP,
+        each token's hidden activations times the 0/1 mask of its routed experts (weighted). Equal to the
+        gathered experts, because an expert is the dense MLP restricted to its neurons."""
+        if self.expert_neurons is None:
+            raise ValueError("pseudo_moe needs the experts' neuron sets (expert_neurons), which this layer lacks")
+        union = sorted({n for neurons in self.expert_neurons for n in neurons})
+        column = {n: j for j, n in enumerate(union)}
+        owner = {}  # a neuron's weights, from the first expert that holds it (all copies are equal)
+        for e, neurons in enumerate(self.expert_neurons):
+            for pos, n in enumerate(neurons):
+                owner.setdefault(n, (e, pos))
+        rows = lambda get: torch.stack([get(self.experts[e])[pos] for e, pos in (owner[n] for n in union)])  # noqa: E731
+        first = self.experts[0].neurons
+        up = rows(lambda ex: ex.neurons.up.weight)
+        up_b = None if first.up.bias is None else rows(lambda ex: ex.neurons.up.bias)
+        down = rows(lambda ex: ex.down.weight.t()).t()
+        masks = torch.zeros(len(self.experts), len(union), dtype=x.dtype, device=x.device)
+        for e, neurons in enumerate(self.expert_neurons):
+            masks[e, [column[n] for n in neurons]] = 1.0
+        dispatch = self.router(x)
+        weights = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        weights[dispatch.token, dispatch.expert] = dispatch.weight
+        hidden = nn.functional.linear(x, up, up_b)
+        if first.gate is not None:
+            gate_b = None if first.gate.bias is None else rows(lambda ex: ex.neurons.gate.bias)
+            hidden = first.act(nn.functional.linear(x, rows(lambda ex: ex.neurons.gate.weight), gate_b)) * hidden
+        else:
+            hidden = first.act(hidden)
+        if self.track_stats:
+            self.stats_expert_tokens += dispatch.counts.cpu()
+        return nn.functional.linear(hidden * (weights @ masks), down)
 
     def forward_all_experts(self, hidden_states: Tensor) -> Tensor:
         """Every expert on every token with unit weight: reproduces the dense MLP (identity tests)."""
@@ -255,6 +294,7 @@ class MoeMLP(nn.Module):
             "shared_width": 0 if self.shared is None else self.shared.width,
             "dense_width": self.dense_width,
             "router": None if self.router is None else self.router.spec(),
+            "expert_neurons": self.expert_neurons,
         }
 
 
@@ -269,7 +309,8 @@ def build_moe_mlp(spec: dict[str, Any]) -> MoeMLP:
         router_cls = ROUTERS[router_spec.pop("kind")]
         router = router_cls(hidden_size=d, act=act, gated=gated, up_bias=up_bias, **router_spec)
     down_bias = torch.zeros(d) if spec["down_bias"] else None
-    return MoeMLP(experts, router, shared, down_bias, dense_width=spec.get("dense_width"))
+    return MoeMLP(experts, router, shared, down_bias, dense_width=spec.get("dense_width"),
+                  expert_neurons=spec.get("expert_neurons"))
 
 
 def install_moe_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
@@ -410,3 +451,32 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 ROUTERS[SoftmaxTopKRouter.kind] = SoftmaxTopKRouter
+
+
+class ArgmaxRouter(nn.Module):
+    """ToMoE's MLP router after conversion (Eq. 13): logits x W^T (``proj``, no bias), the ``top_k``
+    highest experts (top-1 in the paper) each with weight 1: G is one-hot and the expert output is not
+    scaled."""
+
+    kind = "argmax"
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k}
+
+    def expected_experts(self) -> float:
+        return float(self.top_k)
+
+    def set_option(self, name: str, value: Any) -> None:
+        set_top_k(self, name, value)
+
+    def forward(self, x: Tensor) -> Dispatch:
+        chosen = self.proj(x).topk(self.top_k, dim=-1).indices
+        return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
+
+
+ROUTERS[ArgmaxRouter.kind] = ArgmaxRouter

@@ -1,0 +1,129 @@
+"""ToMoE's conversion after training (§3.5, Appendix A.1, Fig. 8): learned masks -> real MoE modules.
+
+- MLP: s_e = round(sigmoid(Proj_D^MLP(E) + b)) (Eq. 11 without noise: inference is deterministic); the
+  hypernetwork and Proj_D^MLP are dropped. A short training run may end before R_P reaches 0, so s_e
+  thresholds the logits at the one value theta (shared by all layers) that meets p T_total exactly, as
+  R_P asks: theta = 0 when training converged (``budget_threshold``, recorded as ``mask_threshold``). Every expert is widened to the layer's widest expert (the paper
+  "adjust[s] the width of all experts to match the maximum size among them") with the union neurons of
+  highest Proj_D^MLP logit it lacks, so only neurons in the union of experts are kept. The layer becomes
+  an ``MoeMLP`` whose experts are those neuron subsets (Eq. 12) with an ``ArgmaxRouter`` (top-1, unscaled
+  output, Eq. 13); the neuron sets are kept (``expert_neurons``) for the pseudo-MoE of Appendix B.3.
+- Attention: Q/K keep the dimensions of the noise-free s_0' (at least one pair); V/O become top-K routing,
+  K = round(mean over calibration tokens of the noise-free s_t count) (§3.3), with the mean expert
+  embedding folded into Proj_E^MHA's bias (§3.5): a ``PrunedAttention`` with a ``HeadDimRouter``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from moeify.calibration.data import calibration_batches
+from moeify.methods.tomoe_modules import EMBED_DIM, KEEP_BIAS
+from moeify.moe.accounting import layer_attention_counts
+from moeify.moe.build import expert_mlp
+from moeify.moe.head_dim import pruned_attention, rope_pairs
+from moeify.runtime.attention import HeadDimRouter
+from moeify.runtime.moe import ArgmaxRouter, MoeMLP
+
+if TYPE_CHECKING:
+    from moeify.methods.base import ConversionContext
+    from moeify.methods.tomoe import TomoeConfig
+    from moeify.methods.tomoe_train import MaskedModel, TomoeModules
+
+
+def widened_experts(logits: Tensor, threshold: float = 0.0) -> list[Tensor]:
+    """Each expert's neurons (ascending), widened to the widest expert's count from the union (Fig. 8).
+
+    ``logits``: (N, d_mid) noise-free Proj_D^MLP(E) + b; an expert keeps neuron j where logits > threshold."""
+    keep = logits > threshold
+    union = keep.any(dim=0)
+    if not union.any():  # degenerate: no expert keeps anything; keep the single most wanted neuron
+        union[logits.max(dim=0).values.argmax()] = True
+    width = max(int(keep.sum(dim=1).max()), 1)
+    sets = []
+    for own, score in zip(keep, logits):
+        ranked = score.masked_fill(~union, float("-inf")).masked_fill(own, float("inf"))
+        sets.append(ranked.topk(width).indices.sort().values)
+    return sets
+
+
+def expert_width(logits: Tensor, threshold: float) -> int:
+    return max(int((logits > threshold).sum(dim=1).max()), 1)
+
+
+def budget_threshold(logits: list[Tensor], per_neuron: list[int], budget: float) -> float:
+    """The mask threshold theta at which the MLPs' activated parameters (widest expert per layer, Eq. 8)
+    come closest to ``budget`` from below: R_P's target, met exactly. theta = 0 when training reached it."""
+    def cost(theta: float) -> float:
+        return sum(expert_width(x, theta) * p for x, p in zip(logits, per_neuron))
+
+    every = torch.cat([x.flatten() for x in logits])
+    low, high = float(every.min()) - 1.0, float(every.max()) + 1.0  # cost(low) is the widest, cost(high) 1 each
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cost(mid) > budget else (low, mid)
+    return high
+
+
+def _vo_widths(ctx: ConversionContext, masked: MaskedModel, cfg: TomoeConfig, seq_len: int) -> list[int]:
+    """K per layer: the rounded mean count of the noise-free s_t over calibration tokens (§3.3)."""
+    for part in (*masked.mlps, *masked.attention):
+        part.noise = False
+    batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
+    counts = [0.0] * len(masked.attention)
+    with torch.no_grad():
+        for batch in batches.split(1):
+            ctx.model(input_ids=batch.to(ctx.device), use_cache=False)
+            for i, masks in enumerate(masked.attention):
+                counts[i] += float(masks.tokens_kept.sum())
+    return [max(1, round(c / batches.numel())) for c in counts]
+
+
+def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, cfg: TomoeConfig,
+             seq_len: int) -> dict[str, Any]:
+    """Replace the masked model's MLPs and attentions by ToMoE's MoE modules, in place; returns the
+    per-layer structure for the record."""
+    adapter = ctx.adapter
+    with torch.no_grad():
+        embeddings = theta.hypernet()
+        masked.set_embeddings(embeddings)
+        vo_widths = _vo_widths(ctx, masked, cfg, seq_len) if masked.attention else []
+        masked.restore()
+        layers: list[dict[str, Any]] = [{} for _ in theta.layers]
+        for i, modules in enumerate(theta.layers if masked.attention else []):
+            layers[i].update(_prune_attention_(adapter, i, modules, embeddings[i].mean(dim=0), vo_widths[i]))
+        attention = sum(layer_attention_counts(adapter, i)[1] for i in range(adapter.num_layers))
+        output_biases = sum(0 if w.down_bias is None else w.down_bias.numel() for w in masked.weights)
+        all_logits = [m.proj_mlp(embeddings[i]) + KEEP_BIAS for i, m in enumerate(theta.layers)]
+        theta_ = budget_threshold(all_logits, [w.params_per_neuron() for w in masked.weights],
+                                  cfg.active_ratio * masked.total - attention - output_biases)
+        for i, (modules, weights, logits) in enumerate(zip(theta.layers, masked.weights, all_logits)):
+            sets = widened_experts(logits, theta_)
+            router = ArgmaxRouter(weights.hidden_size, cfg.num_experts)
+            router.proj.weight.copy_(modules.router.weight)
+            down_bias = None if weights.down_bias is None else weights.down_bias.clone()
+            layer = MoeMLP([expert_mlp(weights.select(s)) for s in sets], router, None, down_bias,
+                           dense_width=weights.intermediate_size, expert_neurons=[s.tolist() for s in sets])
+            adapter.replace_mlp_(i, layer.to(weights.up.device))
+            layers[i].update({"expert_width": len(sets[0]), "own_widths": (logits > theta_).sum(dim=1).tolist(),
+                              "union": int((logits > theta_).any(dim=0).sum()),
+                              "intermediate_size": weights.intermediate_size})
+    return {"layers": layers, "mask_threshold": theta_}
+
+
+def _prune_attention_(adapter: Any, i: int, modules: Any, mean_embedding: Tensor, top_k: int) -> dict[str, int]:
+    attn = adapter.attention_module(i)
+    half = modules.proj_qk(mean_embedding) + KEEP_BIAS  # s_0 logits, first half of the head (Appendix A.2)
+    kept = (half > 0).nonzero().flatten()
+    if kept.numel() == 0:
+        kept = half.argmax().reshape(1)
+    router = HeadDimRouter(attn.q_proj.in_features, attn.head_dim, EMBED_DIM, top_k).to(half)
+    router.proj_e.weight.copy_(modules.proj_e.weight)
+    router.proj_e.bias.copy_(modules.proj_e.bias + mean_embedding)  # (1/N) 1^T E as Proj_E's bias (§3.5)
+    router.norm.load_state_dict(modules.proj_vo[0].state_dict())
+    router.proj_d.load_state_dict(modules.proj_vo[2].state_dict())
+    adapter.replace_attention_(i, pruned_attention(attn, rope_pairs(kept, attn.head_dim), router=router))
+    return {"qk_dims": 2 * kept.numel(), "vo_top_k": top_k, "head_dim": attn.head_dim}

@@ -1,0 +1,152 @@
+"""ToMoE's trainable modules Theta (Table 8) and the training-time masks they put on the frozen model.
+
+- ``HyperNetwork`` (Eq. 1): fixed z ~ N(0, 1) -> Bi-GRU(32, 64) -> E_l in R^{N x 128} for every layer.
+  The Bi-GRU runs over the layers (a sequence of length L, the N experts as the batch), which is what
+  gives E its inter-layer dependencies; z is (L, N, 32): the paper's N x 32 per layer.
+- ``LayerModules``: per layer, Router = Linear(d, N) (no bias: see ``tomoe``), Proj_D^MLP = LayerNorm ->
+  GeLU -> Linear(128, d_mid), and with attention Proj_E^MHA = Linear(d, 128), Proj_D^MHA (head_dim) for
+  the per-token V/O mask s_t and Proj_D^MHA (head_dim / 2) for the static Q/K mask s_0 (Appendix A.1).
+- ``st_gumbel_sigmoid`` (Eq. 15) and ``st_gumbel_softmax`` (Eq. 14): hard 0/1 and one-hot forward values,
+  the soft sample's gradient (straight-through).
+- ``MaskedMLP`` replaces a dense MLP during training: every token is routed (G, one-hot, Eq. 3) and its
+  hidden neurons masked by s = ST-GSig(Proj_D^MLP(G E)) (Eq. 2-3); the dense weights stay frozen.
+- ``AttentionMasks`` puts hooks on a LLaMA-style attention: q/k outputs times s_0' (s_0's first half
+  repeated, Appendix A.2), v outputs and the o_proj input times s_t (Eq. 4-5).
+Both switch off (``enabled = False``) for the in-place teacher pass (Listing 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from moeify.arch.mlp import MlpWeights
+
+EMBED_DIM = 128   # d_e (Table 8)
+Z_DIM = 32        # the hypernetwork's input width (Table 8)
+GRU_HIDDEN = 64   # per direction: 2 x 64 = d_e
+KEEP_BIAS = 3.0   # b of Eq. 15: every mask starts (almost surely) all ones, "the whole model"
+
+
+def logistic_noise(shape: torch.Size, like: Tensor) -> Tensor:
+    """g1 - g2 for two Gumbel(0, 1) samples: the noise of a two-class Gumbel-softmax, i.e. a Gumbel-sigmoid.
+    Its median is 0, so the noise-free masks of the converted model threshold where training did."""
+    u = torch.rand(shape, dtype=like.dtype, device=like.device).clamp(1e-6, 1 - 1e-6)
+    return torch.log(u) - torch.log1p(-u)
+
+
+def st_gumbel_sigmoid(logits: Tensor, tau: float, noise: bool = True) -> Tensor:
+    """Eq. 15: round(sigmoid((x + g + b) / tau)) forward, the sigmoid's gradient backward."""
+    shifted = logits + KEEP_BIAS + (logistic_noise(logits.shape, logits) if noise else 0.0)
+    soft = torch.sigmoid(shifted / tau)
+    return (soft > 0.5).to(soft.dtype) - soft.detach() + soft
+
+
+def st_gumbel_softmax(logits: Tensor, tau: float, noise: bool = True) -> tuple[Tensor, Tensor]:
+    """Eq. 14: (one-hot of argmax (x + g) / tau with the soft sample's gradient, the soft sample itself)."""
+    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp(1e-6, 1 - 1e-6))) if noise else 0.0
+    soft = torch.softmax((logits + gumbel) / tau, dim=-1)
+    hard = torch.zeros_like(soft).scatter(-1, soft.argmax(dim=-1, keepdim=True), 1.0)
+    return hard - soft.detach() + soft, soft
+
+
+def projection(out_features: int) -> nn.Sequential:
+    """Proj_D: LayerNorm(d_e) -> GeLU -> Linear(d_e, out) (Table 8)."""
+    return nn.Sequential(nn.LayerNorm(EMBED_DIM), nn.GELU(), nn.Linear(EMBED_DIM, out_features))
+
+
+class HyperNetwork(nn.Module):
+    def __init__(self, num_layers: int, num_experts: int, seed: int) -> None:
+        super().__init__()
+        z = torch.randn(num_layers, num_experts, Z_DIM, generator=torch.Generator().manual_seed(seed))
+        self.register_buffer("z", z)
+        self.gru = nn.GRU(Z_DIM, GRU_HIDDEN, bidirectional=True)
+
+    def forward(self) -> Tensor:
+        """E_all: (L, N, d_e)."""
+        return self.gru(self.z)[0]
+
+
+class LayerModules(nn.Module):
+    """Theta of one decoder layer (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, head_dim: int | None) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.proj_mlp = projection(intermediate_size)
+        self.attention = head_dim is not None
+        if self.attention:
+            self.proj_e = nn.Linear(hidden_size, EMBED_DIM)
+            self.proj_vo = projection(head_dim)
+            self.proj_qk = projection(head_dim // 2)
+
+
+class MaskedMLP(nn.Module):
+    """A frozen dense MLP whose tokens each run one learned expert (Eq. 2-3), during training.
+
+    After a forward pass: ``hard`` (tokens, N) one-hot decisions and ``soft`` their Gumbel-softmax
+    probabilities, for the load-balancing loss (Eq. 9)."""
+
+    def __init__(self, weights: MlpWeights, modules: LayerModules, tau: float) -> None:
+        super().__init__()
+        self.weights, self.modules_, self.tau = weights, modules, tau
+        self.embeddings: Tensor | None = None  # E_l, set before every step
+        self.enabled = True
+        self.noise = True  # off: the deterministic masks of the converted model
+        self.hard: Tensor | None = None
+        self.soft: Tensor | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if not self.enabled:
+            return self.weights.forward(hidden_states)
+        g, self.soft = st_gumbel_softmax(self.modules_.router(hidden_states), self.tau, self.noise)  # G: Eq. 3
+        self.hard = g.detach()
+        s = st_gumbel_sigmoid(self.modules_.proj_mlp(g @ self.embeddings), self.tau, self.noise)   # s: Eq. 3
+        w = self.weights
+        return nn.functional.linear(w.hidden(hidden_states) * s, w.down, w.down_bias)  # Eq. 2
+
+
+class AttentionMasks:
+    """Hooks that mask a LLaMA-style attention's head dimension during training (Eq. 4-5).
+
+    ``tokens_kept`` holds, after a forward pass, s_t for every token (tokens, head_dim), for the union
+    and parameter regularisers; ``qk_kept`` holds s_0' (head_dim,)."""
+
+    def __init__(self, attn: nn.Module, modules: LayerModules, tau: float) -> None:
+        self.modules_, self.tau, self.head_dim = modules, tau, attn.head_dim
+        self.mean_embedding: Tensor | None = None  # (1/N) 1^T E, set before every step
+        self.enabled = True
+        self.noise = True
+        self.tokens_kept: Tensor | None = None
+        self.qk_kept: Tensor | None = None
+        self._token_masks: Tensor | None = None
+        self._handles: list[RemovableHandle] = [
+            attn.register_forward_pre_hook(self._masks, with_kwargs=True),
+            attn.q_proj.register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
+            attn.k_proj.register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
+            attn.v_proj.register_forward_hook(lambda _m, _i, out: self._apply(out, self._token_masks)),
+            attn.o_proj.register_forward_pre_hook(lambda _m, args: (self._apply(args[0], self._token_masks),)),
+        ]
+
+    def _masks(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.enabled:
+            return
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        m = self.modules_
+        half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise)   # s_0: Eq. 5 at t = 0
+        self.qk_kept = torch.cat([half, half])                                           # Appendix A.2
+        self._token_masks = st_gumbel_sigmoid(m.proj_vo(m.proj_e(x) + self.mean_embedding), self.tau,
+                                              self.noise)                                # s_t: Eq. 5
+        self.tokens_kept = self._token_masks.reshape(-1, self.head_dim)
+
+    def _apply(self, out: Tensor, mask: Tensor) -> Tensor:
+        if not self.enabled:
+            return out
+        heads = out.view(*out.shape[:-1], -1, self.head_dim)
+        mask = mask if mask.dim() == 1 else mask.unsqueeze(-2)  # per token: the same mask on every head
+        return (heads * mask).view(out.shape)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,180 @@
+"""ToMoE's objective (Eq. 10) and its training run on the shared loop, the model's weights frozen.
+
+Per step: E_all = HN(z); the teacher logits come from the same model with every mask off (in-place
+distillation, Listing 1); the student pass routes and masks; then
+
+    loss = KL(teacher || student) + alpha R_P + beta R_U + gamma R_L                        (Eq. 10)
+
+- R_P (Eq. 8): f_reg(T(d_MoE), p T_total), f_reg(x, y) = log(max(x, y) / min(x, y)); T counts the
+  projections a token uses: per layer the MLP at its widest expert, max_i sum s_e^i (s_e from Eq. 11 with
+  its own Gumbel sample), and, with attention, Q/K at the kept width sum s_0' and V/O at the mean over
+  tokens of sum s_t (the per-token width; K after training is its rounded mean, §3.3). T_total counts
+  the dense projections (the accounting of ``moe.accounting``), so p is the activated-parameter ratio.
+- R_U (Eq. 7): mean over the union terms of f_reg(sum u / |u|, 1); MLP unions over the N experts' s_e
+  (Eq. 16), attention unions over the batch's tokens' s_t (Eq. 6). The static s_0 has no union to grow.
+- R_L (Eq. 9): N sum_i F_i P_i per MLP layer, F from the hard decisions, P from the Gumbel-softmax
+  probabilities, averaged over layers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from moeify.calibration.data import token_stream
+from moeify.methods.tomoe_modules import (
+    AttentionMasks,
+    HyperNetwork,
+    LayerModules,
+    MaskedMLP,
+    st_gumbel_sigmoid,
+)
+from moeify.training.loop import Checkpointing, TrainPlan, train
+
+if TYPE_CHECKING:
+    from moeify.methods.base import ConversionContext
+    from moeify.methods.tomoe import TomoeConfig
+
+
+def f_reg(x: Tensor, y: Tensor | float) -> Tensor:
+    """log(max(x, y) / min(x, y)) (§3.4)."""
+    y = torch.as_tensor(y, dtype=x.dtype)
+    return torch.log(torch.maximum(x, y) / torch.minimum(x, y))
+
+
+def distillation_loss(teacher: Tensor, student: Tensor) -> Tensor:
+    """KL(p_teacher || p_student) per token, averaged over tokens."""
+    t = torch.log_softmax(teacher.float(), dim=-1).flatten(0, -2)
+    s = torch.log_softmax(student.float(), dim=-1).flatten(0, -2)
+    return nn.functional.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+class TomoeModules(nn.Module):
+    """Theta: the hypernetwork and every layer's modules (what the optimizer and checkpoints hold)."""
+
+    def __init__(self, ctx: ConversionContext, cfg: TomoeConfig) -> None:
+        super().__init__()
+        adapter = ctx.adapter
+        self.hypernet = HyperNetwork(adapter.num_layers, cfg.num_experts, ctx.seed)
+        self.layers = nn.ModuleList(
+            LayerModules(adapter.mlp(i).hidden_size, adapter.mlp(i).intermediate_size, cfg.num_experts,
+                         adapter.attention_module(i).head_dim if cfg.attention == "on" else None)
+            for i in range(adapter.num_layers))
+
+
+class MaskedModel:
+    """The frozen model with ToMoE's training masks in place (``MaskedMLP`` + ``AttentionMasks``)."""
+
+    def __init__(self, ctx: ConversionContext, theta: TomoeModules, cfg: TomoeConfig) -> None:
+        self.ctx, self.theta, self.cfg = ctx, theta, cfg
+        adapter = ctx.adapter
+        self.dense = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
+        self.weights = [adapter.mlp(i) for i in range(adapter.num_layers)]
+        self.mlps = [MaskedMLP(w, m, cfg.tau) for w, m in zip(self.weights, theta.layers)]
+        self.attention = []
+        if cfg.attention == "on":
+            self.attention = [AttentionMasks(adapter.attention_module(i), m, cfg.tau)
+                              for i, m in enumerate(theta.layers)]
+        self.total = sum(adapter.attention_params(i) + w.num_params for i, w in enumerate(self.weights))
+        for i, mlp in enumerate(self.mlps):
+            adapter.replace_mlp_(i, mlp)
+
+    def restore(self) -> None:
+        """The dense model again, no hooks."""
+        for i, module in enumerate(self.dense):
+            self.ctx.adapter.replace_mlp_(i, module)
+        for masks in self.attention:
+            masks.remove()
+
+    def set_embeddings(self, embeddings: Tensor) -> None:
+        for i, mlp in enumerate(self.mlps):
+            mlp.embeddings = embeddings[i]
+        for i, masks in enumerate(self.attention):
+            masks.mean_embedding = embeddings[i].mean(dim=0)  # (1/N) 1^T E
+
+    def set_enabled(self, on: bool) -> None:
+        for part in (*self.mlps, *self.attention):
+            part.enabled = on
+
+    def regularisers(self, embeddings: Tensor) -> dict[str, Tensor]:
+        """R_P, R_U, R_L of the last student pass, and the activated ratio T / T_total it implies."""
+        adapter = self.ctx.adapter
+        active, unions, balance = [], [], []
+        for i, (mlp, weights) in enumerate(zip(self.mlps, self.weights)):
+            s_e = st_gumbel_sigmoid(mlp.modules_.proj_mlp(embeddings[i]), self.cfg.tau)  # Eq. 11: (N, d_mid)
+            active.append(s_e.sum(dim=1).max() * weights.params_per_neuron())         # widest expert
+            unions.append(f_reg((1 - torch.prod(1 - s_e, dim=0)).mean(), 1.0))      # Eq. 16, 7
+            n = mlp.hard.shape[-1]
+            balance.append(n * (mlp.hard.reshape(-1, n).mean(0) * mlp.soft.reshape(-1, n).mean(0)).sum())  # Eq. 9
+        for i, masks in enumerate(self.attention):
+            attn = adapter.attention_module(i)
+            d, heads, kv_heads = attn.q_proj.in_features, attn.q_proj.out_features // attn.head_dim, \
+                attn.k_proj.out_features // attn.head_dim
+            per_dim = d * (heads + kv_heads) + (kv_heads if attn.v_proj.bias is not None else 0)
+            qk = masks.qk_kept.sum() * (d * (heads + kv_heads) + (heads + kv_heads if attn.q_proj.bias is not None
+                                                                  else 0))
+            vo = masks.tokens_kept.sum(dim=1).mean() * per_dim
+            active.append(qk + vo + (d if attn.o_proj.bias is not None else 0))
+            unions.append(f_reg((1 - torch.prod(1 - masks.tokens_kept, dim=0)).mean(), 1.0))  # Eq. 6-7
+        if not self.attention:
+            active.append(torch.tensor(float(sum(adapter.attention_params(i) for i in range(adapter.num_layers)))))
+        total_active = torch.stack(active).sum()
+        return {"r_p": f_reg(total_active, self.cfg.active_ratio * self.total),                # Eq. 8
+                "r_u": torch.stack(unions).mean(), "r_l": torch.stack(balance).mean(),
+                "ratio": (total_active / self.total).detach()}
+
+
+def _fingerprint(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> dict[str, Any]:
+    """What a resumed run must share with the checkpointed one (steps may grow: the lr is constant)."""
+    free = ("steps", "resume", "checkpoint_every", "pseudo_moe")
+    keep = {k: v for k, v in vars(cfg).items() if k not in free}
+    return {"method": "tomoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
+            "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
+
+
+def learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> tuple[TomoeModules, MaskedModel, dict[str, Any]]:
+    """Train Theta with the model frozen; returns Theta, the masked model (masks still in place) and the
+    training log (per-step KD loss, R_P, R_U, R_L, activated ratio)."""
+    with torch.random.fork_rng(devices=[]):  # Theta's init and the Gumbel noise: from the seed, caller's RNG untouched
+        torch.manual_seed(ctx.seed)
+        return _learn(ctx, cfg, seq_len)
+
+
+def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> tuple[TomoeModules, MaskedModel, dict[str, Any]]:
+    theta = TomoeModules(ctx, cfg).to(ctx.device)
+    frozen = [p for p in ctx.model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    masked = MaskedModel(ctx, theta, cfg)
+    optimizer = torch.optim.AdamW(theta.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def loss(_theta: nn.Module, batch: Tensor) -> dict[str, Tensor]:
+        embeddings = theta.hypernet()
+        masked.set_embeddings(embeddings)
+        with torch.no_grad():
+            masked.set_enabled(False)
+            teacher = ctx.model(input_ids=batch, use_cache=False).logits
+            masked.set_enabled(True)
+        kd = distillation_loss(teacher, ctx.model(input_ids=batch, use_cache=False).logits)
+        reg = masked.regularisers(embeddings)
+        total = kd + cfg.alpha * reg["r_p"] + cfg.beta * reg["r_u"] + cfg.gamma * reg["r_l"]  # Eq. 10
+        return {"loss": total, "kd": kd, **reg}
+
+    plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, checkpoint_every=cfg.checkpoint_every)
+    checkpointing = None if ctx.work_dir is None else Checkpointing(
+        ctx.work_dir / "tomoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
+    try:
+        log = train(theta, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
+                    device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
+                    desc="tomoe: learning experts and routers")
+    except BaseException:
+        masked.restore()
+        raise
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    theta.eval()
+    return theta, masked, {**log.summary(), "curves": log.as_dict()["parts"],
+                           "checkpoints": None if checkpointing is None else str(checkpointing.folder)}

@@ -1,0 +1,86 @@
+"""static_prune with attention head dimensions: the budget is met, importance picks the right dimensions,
+unsupported attention falls back to MLP channels and says why, and the result saves and loads."""
+
+import pytest
+import torch
+
+import moeify
+from moeify.api import ConversionResult
+from moeify.arch import DecoderAdapter
+from moeify.methods.options import OptionError
+from moeify.methods.static_prune import StaticPruneConfig, convert
+from moeify.moe.accounting import activated_parameters, moe_layers
+from moeify.moe.attention_importance import HeadDimSquares, qk_pair_importance, vo_dim_importance
+from moeify.runtime.attention import PrunedAttention
+from tests.tiny_models import tiny_model
+
+TINY = dict(vocab_size=512, max_position_embeddings=256)
+HD = 16  # tiny models: hidden 64, 4 query heads, 2 key/value heads
+IDS = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+def _prune(make_ctx, model, ratio, **options):
+    return convert(make_ctx(model), StaticPruneConfig(active_ratio=ratio, calib_samples=4, seq_len=64, **options))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("ratio", [0.5, 0.3])
+def test_attention_and_mlp_share_the_kept_ratio(family, ratio, make_ctx):
+    model = tiny_model(family, **TINY)
+    details = _prune(make_ctx, model, ratio)
+    assert details["attention_pruned"] and details["attention_reason"] is None
+    adapter = DecoderAdapter(model)
+    pairs, dims = max(1, round(ratio * HD / 2)), max(1, round(ratio * HD))
+    for i, layer in enumerate(moe_layers(model)):
+        attn = adapter.attention_module(i)
+        assert isinstance(attn, PrunedAttention) and len(attn.qk_index) == 2 * pairs and len(attn.vo_index) == dims
+        assert layer.router is None and layer.shared.width == details["kept_channels"][i]
+    assert details["kept_qk_dims"] == [2 * pairs] * 2 and details["kept_vo_dims"] == [dims] * 2
+    assert activated_parameters(model).apr == pytest.approx(ratio, rel=0.01)
+
+
+def test_unsupported_attention_falls_back_to_mlp_channels_and_says_why(make_ctx):
+    model = tiny_model("phi3", **TINY)
+    details = _prune(make_ctx, model, 0.6)
+    assert not details["attention_pruned"] and "no separate q_proj" in details["attention_reason"]
+    assert not any(isinstance(m, PrunedAttention) for m in model.modules())
+    assert activated_parameters(model).apr == pytest.approx(0.6, abs=0.005)  # rounding to whole channels
+    with pytest.raises(OptionError, match=r"active_ratio=0.3 is out of range .* allowed: \(0.4211, 1.0\]"):
+        _prune(make_ctx, tiny_model("phi3", **TINY), 0.3)
+
+
+def test_dimensions_without_signal_are_pruned_first(make_ctx):
+    model = tiny_model("llama", **TINY)
+    attn = DecoderAdapter(model).attention_module(0)
+    with torch.no_grad():
+        attn.q_proj.weight.view(4, HD, -1)[:, [3, 3 + HD // 2]] = 0  # RoPE pair 3 of every query head
+        attn.v_proj.weight.view(2, HD, -1)[:, 9] = 0                 # value dimension 9 of every kv head
+    _prune(make_ctx, model, 7 / 8)  # keeps 7 of 8 pairs and 14 of 16 value dimensions
+    # Untouched, this model would drop pair 2 and value dimensions 5 and 15 in layer 0.
+    pruned = DecoderAdapter(model).attention_module(0)
+    assert sorted(set(range(HD)) - set(pruned.qk_index.tolist())) == [3, 3 + HD // 2]
+    assert 9 not in pruned.vo_index.tolist()
+
+
+def test_scores_pair_each_query_head_with_its_key_value_head():
+    squares = HeadDimSquares(num_heads=4, num_kv_heads=2, head_dim=4)  # query heads 0,1 -> kv 0; 2,3 -> kv 1
+    q, k = torch.zeros(1, 4, 4), torch.zeros(1, 2, 4)
+    q[0, 2, 0] = k[0, 0, 2] = 1.0        # pair 0 in query head 2 (kv 1) and in kv head 0: never meet
+    q[0, 3, 1], k[0, 1, 3] = 2.0, 3.0     # pair 1 (dims 1 and 3) in query head 3 and its kv head 1
+    squares.update("q", q.view(1, 16))
+    squares.update("k", k.view(1, 8))
+    assert qk_pair_importance(squares).tolist() == [0.0, 4.0 * 9.0]
+    squares.update("v", torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]))  # kv 0 dim 1, kv 1 dim 2
+    o_weight = torch.ones(3, 16)  # every o_proj column has squared norm 3
+    assert vo_dim_importance(squares, o_weight).tolist() == [0.0, 2 * 3 * 1.0, 2 * 3 * 4.0, 0.0]
+
+
+def test_pruned_model_saves_and_loads_identically(make_ctx, tokenizer, tmp_path):
+    model = tiny_model("qwen2", **TINY)
+    _prune(make_ctx, model, 0.5)
+    out = moeify.save(ConversionResult(model, tokenizer, {"method": "static_prune"}), tmp_path / "out")
+    loaded = moeify.load(out)
+    assert sum(isinstance(m, PrunedAttention) for m in loaded.modules()) == 2
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    assert activated_parameters(loaded).apr == activated_parameters(model).apr

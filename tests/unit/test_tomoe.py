@@ -1,0 +1,129 @@
+"""ToMoE on tiny models: Gumbel estimators, masks, conversion, pseudo-MoE, budget, resume, save/load."""
+
+import pytest
+import torch
+
+import moeify
+from moeify.api import ConversionResult, set_runtime_options
+from moeify.methods.options import OptionError, build_config
+from moeify.methods.tomoe import TomoeConfig, convert
+from moeify.methods.tomoe_convert import budget_threshold, widened_experts
+from moeify.methods.tomoe_modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
+from moeify.methods.tomoe_train import MaskedModel, TomoeModules, f_reg
+from moeify.moe.accounting import activated_parameters
+from moeify.runtime.attention import PrunedAttention
+from moeify.runtime.moe import ArgmaxRouter, MoeMLP
+from moeify.training import loop
+from tests.conftest import clone
+from tests.tiny_models import tiny_model
+
+IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+FAST = dict(steps=3, batch_size=2, seq_len=32, calib_samples=2, checkpoint_every=0)
+
+
+def converted(family, make_ctx, work_dir=None, **options):
+    dense = tiny_model(family, vocab_size=512, max_position_embeddings=256)
+    ctx = make_ctx(clone(dense))
+    ctx.work_dir = work_dir
+    details = convert(ctx, TomoeConfig(**{**FAST, **options}))
+    return dense, ctx, details
+
+
+def test_straight_through_estimators_are_hard_forward_and_soft_backward():
+    logits = torch.tensor([[-5.0, -2.9, 0.0]], requires_grad=True)
+    hard = st_gumbel_sigmoid(logits, tau=0.4, noise=False)
+    assert hard.tolist() == [[0.0, 1.0, 1.0]]  # round(sigmoid((x + b) / tau)): kept where x + 3 > 0
+    hard.sum().backward()
+    soft = torch.sigmoid((logits.detach() + KEEP_BIAS) / 0.4)
+    assert torch.allclose(logits.grad, soft * (1 - soft) / 0.4)
+    router = torch.tensor([[0.1, 2.0, -1.0]], requires_grad=True)
+    one_hot, probs = st_gumbel_softmax(router, tau=0.4, noise=False)
+    assert one_hot.tolist() == [[0.0, 1.0, 0.0]] and torch.allclose(probs.sum(), torch.tensor(1.0))
+    (one_hot * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert router.grad.abs().sum() > 0
+    assert f_reg(torch.tensor(2.0), 4.0) == f_reg(torch.tensor(8.0), 4.0) == torch.log(torch.tensor(2.0))
+
+
+def test_untrained_masks_keep_the_whole_model(make_ctx):
+    dense = tiny_model("llama", vocab_size=512, max_position_embeddings=256)
+    ctx = make_ctx(clone(dense))
+    cfg = TomoeConfig(**FAST)
+    theta = TomoeModules(ctx, cfg)
+    masked = MaskedModel(ctx, theta, cfg)
+    with torch.no_grad():
+        masked.set_embeddings(theta.hypernet())
+        for part in (*masked.mlps, *masked.attention):
+            part.noise = False
+        assert torch.allclose(ctx.model(IDS).logits, dense(IDS).logits, atol=1e-5)  # b = 3: all ones
+        masked.restore()
+        assert torch.equal(ctx.model(IDS).logits, dense(IDS).logits)
+
+
+def test_experts_are_widened_from_the_union_and_the_budget_threshold_meets_it():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, -2.0],
+                           [-1.0, 1.0, -0.5, -3.0, -0.2]])
+    assert [s.tolist() for s in widened_experts(logits)] == [[0, 2], [1, 2]]  # expert 1 adds neuron 2 (best in union)
+    assert [s.tolist() for s in widened_experts(logits, -0.6)] == [[0, 1, 2], [1, 2, 4]]
+    layers = [logits, logits * 2]
+    theta = budget_threshold(layers, [10, 10], budget=50)  # widths (w1 + w2) x 10 <= 50
+    widths = [int((x > theta).sum(1).max()) for x in layers]
+    assert sum(widths) * 10 <= 50 and sum(widths) == 5
+
+
+@pytest.mark.parametrize("family,attention,ratio", [("llama", "on", 0.6), ("qwen2", "on", 0.5), ("phi3", "off", 0.7),
+                                                    ("gpt_neox", "off", 0.8)])
+def test_conversion_meets_the_budget_and_pseudo_moe_gives_the_same_logits(family, attention, ratio, make_ctx,
+                                                                          tokenizer, tmp_path):
+    _, ctx, details = converted(family, make_ctx, attention=attention, active_ratio=ratio)
+    model = ctx.model
+    layers = [m for m in model.modules() if isinstance(m, MoeMLP)]
+    assert len(layers) == 2 and all(isinstance(m.router, ArgmaxRouter) and len(m.experts) == 8 for m in layers)
+    assert all(len({e.width for e in m.experts}) == 1 for m in layers)  # widened to the layer maximum
+    pruned = [m for m in model.modules() if isinstance(m, PrunedAttention)]
+    assert len(pruned) == (2 if attention == "on" else 0)
+    counted = activated_parameters(model, measured=False)
+    assert counted.apr <= ratio and counted.apr == pytest.approx(ratio, abs=0.02), details["mask_threshold"]
+    assert set(details["training"]["curves"]) == {"kd", "r_p", "r_u", "r_l", "ratio"}
+    with torch.no_grad():
+        gathered = model(IDS).logits
+        set_runtime_options(model, {"pseudo_moe": "true"})
+        pseudo = model(IDS).logits
+        set_runtime_options(model, {"pseudo_moe": "false"})
+    assert torch.allclose(pseudo, gathered, atol=1e-5, rtol=0)
+    out = moeify.save(ConversionResult(model, tokenizer, {"method": "tomoe"}), tmp_path / "out")
+    with torch.no_grad():
+        assert torch.allclose(moeify.load(out)(IDS).logits, gathered, atol=1e-5, rtol=0)  # bitwise: alignment-dependent
+
+
+def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_path, monkeypatch):
+    options = dict(steps=5, checkpoint_every=2)
+    _, reference, _ = converted("llama", make_ctx, work_dir=tmp_path / "a", **options)
+    real, calls = loop.random_windows, []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt("killed in step 4")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "random_windows", dying)
+    with pytest.raises(KeyboardInterrupt):
+        converted("llama", make_ctx, work_dir=tmp_path / "b", **options)
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError, match="resume=true"):
+        converted("llama", make_ctx, work_dir=tmp_path / "b", **options)
+    _, resumed, details = converted("llama", make_ctx, work_dir=tmp_path / "b", resume=True, **options)
+    assert details["training"]["resumed_from"] == 2 and details["training"]["steps"] == 5
+    with torch.no_grad():
+        assert torch.equal(resumed.model(IDS).logits, reference.model(IDS).logits)
+
+
+def test_bad_options_are_refused_before_any_work(make_ctx):
+    with pytest.raises(OptionError, match=r"attention='partial' is not allowed; choose one of: on, off"):
+        build_config(TomoeConfig, {"attention": "partial"})
+    with pytest.raises(OptionError, match=r"active_ratio=0.0 is out of range"):
+        build_config(TomoeConfig, {"active_ratio": "0"})
+    with pytest.raises(OptionError, match="attention=on is not possible for this model: .*use attention=off"):
+        converted("qwen3", make_ctx)
+    with pytest.raises(OptionError, match="resume=true needs a work folder"):
+        converted("llama", make_ctx, resume=True)
