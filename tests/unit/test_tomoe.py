@@ -127,3 +127,17 @@ def test_bad_options_are_refused_before_any_work(make_ctx):
         converted("qwen3", make_ctx)
     with pytest.raises(OptionError, match="resume=true needs a work folder"):
         converted("llama", make_ctx, resume=True)
+
+
+def test_top1_mlp_experts_export_exactly_and_pruned_attention_is_explained(make_ctx):
+    from moeify.export.hf_export import EXPORTERS
+
+    _, ctx, _ = converted("llama", make_ctx, attention="off", active_ratio=0.8)
+    for fmt in ("mixtral", "glm4_moe"):
+        export = EXPORTERS[fmt].build(ctx.model)
+        assert export.record["exact"]
+        with torch.no_grad():
+            assert torch.allclose(export.model(IDS).logits, ctx.model(IDS).logits, atol=1e-5, rtol=0)
+    _, ctx, _ = converted("llama", make_ctx, attention="on", active_ratio=0.8)
+    support = EXPORTERS["mixtral"].supports(ctx.model, explain=True)
+    assert not support and "pruned head dimension" in str(support)

@@ -24,6 +24,7 @@ from moeify.arch import DecoderAdapter, UnsupportedFamilyError
 from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
 from moeify.export.io import atomic_dir
+from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 
 EXPORT_RECORD = "moeify_export.json"
@@ -78,6 +79,10 @@ def _source(model: PreTrainedModel) -> tuple[Source, dict[str, torch.Tensor], li
     mlp_prefixes = tuple(adapter.mlp_path(i) + "." for i in range(adapter.num_layers))
     tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(mlp_prefixes)}
     reasons = []
+    if any(isinstance(m, PrunedAttention) for m in model.modules()):
+        reasons.append("attention heads have a pruned head dimension (ToMoE, static_prune: query/key narrower than "
+                       "value/output, value/output dimensions chosen per token); the formats keep one head_dim for "
+                       "q, k and v: convert with attention=off to export")
     if adapter.uses_parallel_residual():
         reasons.append("attention and MLP read the same input (parallel residual); the formats chain them")
     if (window := _sliding_window(model.config)) is not None:

@@ -6,7 +6,7 @@ How each method is matched (where it can be):
   share (S+A)/E is closest to the MLP share the target APR needs.
 - ``more``: ``target_pr = 1 - active`` on its default middle-deep layers, or on every layer when the
   default layers cannot reach it.
-- ``static_prune`` (and ToMoE, when present): ``active_ratio = active``.
+- ``static_prune`` and ``tomoe``: ``active_ratio = active``.
 - ``dsmoe`` learns its sparsity (the threshold sets it, not a budget) and ``dense2moe`` removes whole
   attention blocks: they run with their defaults and the report shows the APR they reached.
 """

@@ -459,6 +459,7 @@ class ArgmaxRouter(nn.Module):
     scaled."""
 
     kind = "argmax"
+    weighting = "unit"  # for exporters: a linear score x W^T, every chosen expert weighs 1
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
         super().__init__()
@@ -473,6 +474,9 @@ class ArgmaxRouter(nn.Module):
 
     def set_option(self, name: str, value: Any) -> None:
         set_top_k(self, name, value)
+
+    def linear_score_weight(self) -> Tensor:
+        return self.proj.weight
 
     def forward(self, x: Tensor) -> Dispatch:
         chosen = self.proj(x).topk(self.top_k, dim=-1).indices
