@@ -52,6 +52,8 @@ def test_report_from_records(two_runs, tmp_path, capsys):
     for record, name in zip(records, "ab"):
         record["_name"] = name
     assert markdown_table(records).count("\n") == 4
+    records[0]["nominal_active"] = None  # a data-dependent router (DSMoE's threshold) has no nominal APR
+    assert f"| {records[0]['active']['apr']:.3f} | - |" in markdown_table(records)
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r2")]) == 2
     assert "has no record.json" in capsys.readouterr().err
 

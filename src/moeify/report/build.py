@@ -34,8 +34,9 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     rows = []
     for r in sorted(runs, key=lambda r: r["active"]["apr"]):
         speed = f"{r['speed']['speedup']:.2f}x" if r.get("speed") else "-"
+        nominal = f"{r['nominal_active']['apr']:.3f}" if r.get("nominal_active") else "-"  # None: data-dependent
         rows.append(f"| {r['_name']} | {r['method']} | {r['metrics']['dense_ppl']:.3f} | {r['metrics']['ppl']:.3f} | "
-                    f"{r['active']['apr']:.3f} | {r['nominal_active']['apr']:.3f} | {r['active']['mlp_ratio']:.3f} | "
+                    f"{r['active']['apr']:.3f} | {nominal} | {r['active']['mlp_ratio']:.3f} | "
                     f"{speed} | {r['timings']['convert_s']:.1f} |")
     return head + "\n".join(rows) + "\n"
 
@@ -69,9 +70,11 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
     out = {}
     fig, ax = _figure(plt)
     points = [(r["active"]["apr"], r["metrics"]["ppl"]) for r in runs]
-    for r, (x, y) in zip(runs, points):
+    for n, (r, (x, y)) in enumerate(zip(runs, points)):
         ax.scatter(x, y, s=36)
-        ax.annotate(r["_name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        # runs at (nearly) the same point get their labels stacked, not printed over each other
+        twins = sum(1 for px, py in points[:n] if abs(px - x) < 0.01 and abs(py - y) <= 0.03 * max(py, y))
+        ax.annotate(r["_name"], (x, y), textcoords="offset points", xytext=(4, 4 - 10 * twins), fontsize=8)
     front = sorted(points[i] for i in pareto_front(points))
     ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label="Pareto front")
     dense = runs[0]["metrics"]["dense_ppl"]
