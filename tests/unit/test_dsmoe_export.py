@@ -52,9 +52,12 @@ def test_save_then_load_gives_identical_logits(converted):
 def test_eval_changes_the_threshold_at_run_time(converted, tmp_path):
     record = json.loads((converted / "record.json").read_text())
     runs = {}
-    for tau in ("0.5", "0.0", "1.0"):
+    for tau in ("0.5", "0.0", "0.6", "1.0"):
         assert main(["eval", str(converted), "--set", f"tau={tau}", "--json", str(tmp_path / f"{tau}.json")]) == 0
         runs[tau] = json.loads((tmp_path / f"{tau}.json").read_text())
+        assert runs[tau]["runtime_options"] == {"tau": tau}
     assert runs["0.5"]["ppl"]["tinystories_eval"] == pytest.approx(record["metrics"]["ppl"], rel=1e-6)
     assert runs["0.0"]["active"]["mlp_ratio"] == pytest.approx(1.0)
-    assert runs["1.0"]["active"]["mlp_ratio"] < runs["0.5"]["active"]["mlp_ratio"] <= 1.0
+    ratios = [runs[tau]["active"]["mlp_ratio"] for tau in ("0.0", "0.5", "0.6", "1.0")]
+    assert ratios == sorted(ratios, reverse=True) and ratios[-1] < ratios[1] <= 1.0
+    assert runs["0.6"]["ppl"]["tinystories_eval"] != runs["0.5"]["ppl"]["tinystories_eval"]  # another threshold

@@ -26,6 +26,19 @@
      untrained router's weights sum to 1), reading the normed MLP input as every Hugging Face MoE does;
      W_g ~ N(0, initializer_range^2) from the seed, so identical copies get different tokens from the
      first step and training breaks their symmetry;
+   - what these choices do at top-1 with one removed layer on stories260K (held-out perplexity after
+     the default budget, seed 0, unless noted): the router ends sending 95-99.7 % of tokens to the kept
+     MLP and ``lfuc`` beats the baselines by about 1 % (8.83 against 8.94 / 8.93). At top-1 one MLP
+     replaces the other for a token; on the calibration tokens the removed layer's MLP restores the
+     dense layers' residual update better than the kept one for 38 % of tokens, but only by little: the
+     squared error of always taking the kept MLP is 11.60, of the per-token best 10.38, of the best
+     linear router (73 % of choices right) 11.49, of running both (top-2) 8.20. The alternatives tried
+     do not change that: W_g = 0 (every token ties to the kept MLP, the fused one never gets a token:
+     ``lfuc`` becomes ``prune_upcycle`` exactly, 7.849 both at lr 3e-4), W_g fitted to that per-token
+     best choice (untrained perplexity 11.38 against 12.15 with the random router and 10.80 for
+     ``prune_only``), the removed MLP reading l*'s normed input without folding its own norm (8.85), the
+     paper's weight p_i without E / k (worse for both MoE variants: ``lfuc`` 8.90, ``prune_upcycle`` 9.06).
+     The learning rate decides the order (``dense2moe_train``); top-2 is decisive (8.07 against 8.93);
    - an output bias (GPT-NeoX, Phi) cannot be routed per expert in ``ExpertMLP``: the layer keeps l*'s,
      added once; the removed layers' output biases are dropped (the fine-tuning re-learns the offset).
    Activated parameters count the top-k experts (each a whole MLP) and no attention for the removed
