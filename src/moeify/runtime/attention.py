@@ -14,7 +14,8 @@ the whole head): every head keeps the same head dimensions.
 - Value and output keep either static dimensions ``vo_index`` (narrower projections), or, with a
   ``HeadDimRouter``, the top-K dimensions chosen per token (ToMoE Eq. 4-5): the value of token t is
   computed only on t's K dimensions, and the output projection of token t reads only t's K dimensions
-  of its attention output, both by gathering the K weight rows per token (real narrower compute). The
+  of its attention output (real narrower compute: every head dimension is run like an expert, one
+  matrix product over exactly the tokens that kept it, so the products stay matrix-matrix). The
   value cache stores full-width heads with zeros outside each token's dimensions, because the attention
   mixes tokens with different selections. ``pseudo_moe = True`` computes the same thing as a dense
   product times a 0/1 mask (ToMoE Appendix B.3); a test pins that both agree.
@@ -27,9 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-GATHER_CHUNK_ELEMENTS = 1 << 24  # bound on the gathered per-token weights held at once
-
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -140,17 +138,14 @@ class PrunedAttention(nn.Module):
             return self.v_proj(x).view(b, t, self.num_kv_heads, -1)
         if self.pseudo_moe:
             return self.v_proj(x).view(b, t, self.num_kv_heads, -1) * self._mask(selected)[:, :, None, :]
-        weight = self.v_proj.weight.view(self.num_kv_heads, self.head_dim, -1).transpose(0, 1)  # (hd, H, d)
-        bias = None if self.v_proj.bias is None else self.v_proj.bias.view(self.num_kv_heads, -1).t()
-        flat_x, flat_sel = x.reshape(b * t, -1), selected.reshape(b * t, -1)
-        values = x.new_zeros(b * t, self.head_dim, self.num_kv_heads)
-        for rows in self._chunks(b * t, selected.shape[-1] * self.num_kv_heads * x.shape[-1]):
-            idx = flat_sel[rows]                                                  # (n, K)
-            part = torch.einsum("nd,nkhd->nkh", flat_x[rows], weight[idx])        # only K rows per token
-            if bias is not None:
-                part = part + bias[idx]
-            values[rows] = values[rows].scatter(1, idx[:, :, None].expand_as(part), part)
-        return values.transpose(1, 2).reshape(b, t, self.num_kv_heads, self.head_dim)
+        flat = x.reshape(b * t, -1)
+        weight = self.v_proj.weight.view(self.num_kv_heads, self.head_dim, -1)  # (H_kv, hd, d)
+        bias = None if self.v_proj.bias is None else self.v_proj.bias.view(self.num_kv_heads, self.head_dim)
+        values = x.new_zeros(b * t, self.num_kv_heads, self.head_dim)
+        for j, rows in self._routed_tokens(selected):  # dimension j of every kv head, for its tokens only
+            part = flat.index_select(0, rows) @ weight[:, j].t()
+            values[rows, :, j] = part if bias is None else part + bias[:, j]
+        return values.view(b, t, self.num_kv_heads, self.head_dim)
 
     def _output(self, attended: Tensor, selected: Tensor | None) -> Tensor:
         """o_proj of (b, t, heads, width) attention outputs, reading only each token's dimensions."""
@@ -159,25 +154,25 @@ class PrunedAttention(nn.Module):
             return self.o_proj(attended.reshape(b, t, -1))
         if self.pseudo_moe:
             return self.o_proj((attended * self._mask(selected)[:, :, None, :]).reshape(b, t, -1))
-        weight = self.o_proj.weight.view(-1, self.num_heads, self.head_dim).permute(2, 1, 0)  # (hd, H, d)
-        flat_sel, flat_att = selected.reshape(b * t, -1), attended.reshape(b * t, self.num_heads, -1)
-        out = attended.new_empty(b * t, weight.shape[-1])
-        for rows in self._chunks(b * t, selected.shape[-1] * self.num_heads * weight.shape[-1]):
-            idx = flat_sel[rows]
-            kept = flat_att[rows].gather(2, idx[:, None, :].expand(-1, self.num_heads, -1))  # (n, H, K)
-            out[rows] = torch.einsum("nhk,nkhd->nd", kept, weight[idx])
+        flat = attended.reshape(b * t, self.num_heads, self.head_dim)
+        weight = self.o_proj.weight.view(-1, self.num_heads, self.head_dim)  # (d, H, hd)
+        out = attended.new_zeros(b * t, weight.shape[0])
+        for j, rows in self._routed_tokens(selected):
+            out.index_add_(0, rows, flat[rows, :, j] @ weight[:, :, j].t())
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias
         return out.view(b, t, -1)
 
+    def _routed_tokens(self, selected: Tensor) -> list[tuple[int, Tensor]]:
+        """(dimension j, the flat indices of the tokens that kept j) for every kept dimension: each head
+        dimension is run like an expert, one small matrix product over exactly its tokens."""
+        dims, tokens = self._mask(selected).reshape(-1, self.head_dim).t().nonzero(as_tuple=True)
+        counts = torch.bincount(dims, minlength=self.head_dim).tolist()
+        return [(j, rows) for j, rows in enumerate(tokens.split(counts)) if rows.numel()]
+
     def _mask(self, selected: Tensor) -> Tensor:
         return torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype,
                            device=selected.device).scatter(-1, selected, 1.0)
-
-    @staticmethod
-    def _chunks(n: int, elements_per_row: int) -> list[slice]:
-        step = max(1, GATHER_CHUNK_ELEMENTS // max(1, elements_per_row))
-        return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
 def install_pruned_attention(model: nn.Module, moeify_block: dict[str, Any]) -> None:
