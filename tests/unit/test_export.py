@@ -2,8 +2,6 @@
 transformers' trust_remote_code path) for every family."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from moeify.api import ConversionResult
 from moeify.export.io import OutputExistsError, atomic_dir
 from moeify.methods.cmoe import CmoeConfig, convert
 from moeify.moe.accounting import moe_layers
+from tests.remote import logits_without_moeify
 from tests.tiny_models import FAMILY_NAMES, tiny_model
 
 IDS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -57,15 +56,7 @@ def test_remote_code_needs_no_moeify(make_ctx, tokenizer, tmp_path):
     out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "out")
     with torch.no_grad():
         expected = ctx.model(IDS).logits
-    torch.save(IDS, tmp_path / "ids.pt")
-    script = (
-        "import sys, torch; sys.modules['moeify'] = None\n"  # importing moeify would now fail
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()\n"
-        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
-        f"torch.save(m(ids).logits.detach(), {str(tmp_path / 'logits.pt')!r})\n")
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
-    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+    assert torch.equal(logits_without_moeify(out, IDS, tmp_path), expected)
 
 
 def test_plain_loading_without_trust_remote_code_fails_loudly(make_ctx, tokenizer, tmp_path):

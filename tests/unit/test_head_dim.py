@@ -10,6 +10,7 @@ from moeify.moe.accounting import activated_parameters
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter, PrunedAttention
 from tests.conftest import clone
+from tests.remote import logits_without_moeify
 from tests.tiny_models import tiny_model
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -100,7 +101,9 @@ def test_cached_generation_save_load_and_counting(tokenizer, tmp_path):
     out = moeify.save(ConversionResult(model, tokenizer, {"method": "test"}), tmp_path / "out")
     loaded = moeify.load(out)
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
+        expected = model(ids).logits
+        assert torch.equal(loaded(ids).logits, expected)
+    assert torch.allclose(logits_without_moeify(out, ids, tmp_path), expected, atol=1e-5, rtol=0)  # moeify_attention.py
 
 
 def test_unsupported_attention_is_explained():
