@@ -418,16 +418,11 @@ def check_tau(value: Any) -> float:
 ROUTERS[ThresholdRouter.kind] = ThresholdRouter
 
 
-class SoftmaxTopKRouter(nn.Module):
-    """Dense2MoE's router (§2.1): p = softmax(x W_g), W_g in R^{d x E} (``proj.weight``, (E, d)); the
-    ``top_k`` most probable experts run, each weighted by p_i * E / k. The paper's gate is p_i; the
-    constant E / k makes the weights of an untrained router (W_g ~ 0, p uniform) sum to 1, so the layer
-    starts at the scale of one dense MLP (identical copies then reproduce it exactly, as in sparse
-    upcycling) instead of at 1/E of it under top-1. A constant factor can be read as part of the
-    experts' down projections, so the model class is the paper's. p stays differentiable, so the
-    router learns even at top-1."""
+class LinearTopKRouter(nn.Module):
+    """Shared part of the routers that score experts with one linear map x W^T (``proj``, no bias) and
+    run the ``top_k`` best; subclasses say how the chosen experts are weighted."""
 
-    kind = "softmax_topk"
+    kind = ""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
         super().__init__()
@@ -442,6 +437,18 @@ class SoftmaxTopKRouter(nn.Module):
 
     def set_option(self, name: str, value: Any) -> None:
         set_top_k(self, name, value)
+
+
+class SoftmaxTopKRouter(LinearTopKRouter):
+    """Dense2MoE's router (§2.1): p = softmax(x W_g), W_g in R^{d x E} (``proj.weight``, (E, d)); the
+    ``top_k`` most probable experts run, each weighted by p_i * E / k. The paper's gate is p_i; the
+    constant E / k makes the weights of an untrained router (W_g ~ 0, p uniform) sum to 1, so the layer
+    starts at the scale of one dense MLP (identical copies then reproduce it exactly, as in sparse
+    upcycling) instead of at 1/E of it under top-1. A constant factor can be read as part of the
+    experts' down projections, so the model class is the paper's. p stays differentiable, so the
+    router learns even at top-1."""
+
+    kind = "softmax_topk"
 
     def forward(self, x: Tensor) -> Dispatch:
         probs = torch.softmax(self.proj(x).float(), dim=-1)  # p: (tokens, experts)
@@ -453,27 +460,13 @@ class SoftmaxTopKRouter(nn.Module):
 ROUTERS[SoftmaxTopKRouter.kind] = SoftmaxTopKRouter
 
 
-class ArgmaxRouter(nn.Module):
+class ArgmaxRouter(LinearTopKRouter):
     """ToMoE's MLP router after conversion (Eq. 13): logits x W^T (``proj``, no bias), the ``top_k``
     highest experts (top-1 in the paper) each with weight 1: G is one-hot and the expert output is not
     scaled."""
 
     kind = "argmax"
     weighting = "unit"  # for exporters: a linear score x W^T, every chosen expert weighs 1
-
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
-        super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
-        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
-
-    def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k}
-
-    def expected_experts(self) -> float:
-        return float(self.top_k)
-
-    def set_option(self, name: str, value: Any) -> None:
-        set_top_k(self, name, value)
 
     def linear_score_weight(self) -> Tensor:
         return self.proj.weight
