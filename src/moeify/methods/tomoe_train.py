@@ -31,6 +31,7 @@ from moeify.methods.tomoe_modules import (
     MaskedMLP,
     st_gumbel_sigmoid,
 )
+from moeify.moe.head_dim import head_dim_costs
 from moeify.training.loop import Checkpointing, TrainPlan, train
 
 if TYPE_CHECKING:
@@ -109,14 +110,8 @@ class MaskedModel:
             n = mlp.hard.shape[-1]
             balance.append(n * (mlp.hard.reshape(-1, n).mean(0) * mlp.soft.reshape(-1, n).mean(0)).sum())  # Eq. 9
         for i, masks in enumerate(self.attention):
-            attn = adapter.attention_module(i)
-            d, heads, kv_heads = attn.q_proj.in_features, attn.q_proj.out_features // attn.head_dim, \
-                attn.k_proj.out_features // attn.head_dim
-            per_dim = d * (heads + kv_heads) + (kv_heads if attn.v_proj.bias is not None else 0)
-            qk = masks.qk_kept.sum() * (d * (heads + kv_heads) + (heads + kv_heads if attn.q_proj.bias is not None
-                                                                  else 0))
-            vo = masks.tokens_kept.sum(dim=1).mean() * per_dim
-            active.append(qk + vo + (d if attn.o_proj.bias is not None else 0))
+            per_qk, per_vo, fixed = head_dim_costs(adapter.attention_module(i))
+            active.append(masks.qk_kept.sum() * per_qk + masks.tokens_kept.sum(dim=1).mean() * per_vo + fixed)
             unions.append(f_reg((1 - torch.prod(1 - masks.tokens_kept, dim=0)).mean(), 1.0))  # Eq. 6-7
         if not self.attention:
             active.append(torch.tensor(float(sum(adapter.attention_params(i) for i in range(adapter.num_layers)))))

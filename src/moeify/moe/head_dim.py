@@ -40,6 +40,16 @@ def _geometry(attn: nn.Module) -> tuple[int, int, int, int]:
     return d, attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim, head_dim
 
 
+def head_dim_costs(attn: nn.Module) -> tuple[int, int, int]:
+    """Projection parameters of a LLaMA-style attention per kept query/key dimension (q and k rows of
+    every head), per kept value/output dimension (v rows, o columns) and independent of the head
+    dimension (the o_proj bias): what a head-dimension budget (ToMoE's R_P) counts."""
+    d, heads, kv_heads, _ = _geometry(attn)
+    qk = d * (heads + kv_heads) + (heads + kv_heads if attn.q_proj.bias is not None else 0)
+    vo = d * (heads + kv_heads) + (kv_heads if attn.v_proj.bias is not None else 0)
+    return qk, vo, d if attn.o_proj.bias is not None else 0
+
+
 def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor) -> Tensor:
     """The rows of a (heads x head_dim, ...) projection at ``index`` within every head."""
     return weight.reshape(heads, head_dim, *weight.shape[1:])[:, index].reshape(heads * len(index), *weight.shape[1:])
