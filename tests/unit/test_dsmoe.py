@@ -12,8 +12,8 @@ from moeify.methods.options import OptionError, build_config
 from moeify.moe.accounting import moe_layers, nominal_activated_parameters
 from moeify.moe.build import moe_from_partition
 from moeify.runtime.moe import MoeMLP, ThresholdRouter
-from moeify.training import loop
 from tests.conftest import clone
+from tests.killing import kill_in_step
 from tests.tiny_models import FAMILY_NAMES, tiny_model
 from tests.unit.test_moe_layer import random_mlp
 
@@ -137,15 +137,7 @@ def test_training_learns_gates_and_hardens_into_sparse_layers(make_ctx):
 def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_path, monkeypatch):
     options = dict(steps=5, checkpoint_every=2, gate_init_std=0.1)
     _, reference, _ = converted("qwen2", make_ctx, work_dir=tmp_path / "a", **options)
-    real, calls = loop.random_windows, []
-
-    def dying(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt("killed in step 4")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "random_windows", dying)
+    kill_in_step(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
         converted("qwen2", make_ctx, work_dir=tmp_path / "b", **options)
     monkeypatch.undo()

@@ -13,8 +13,8 @@ from moeify.methods.tomoe_train import MaskedModel, TomoeModules, f_reg
 from moeify.moe.accounting import activated_parameters
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import ArgmaxRouter, MoeMLP
-from moeify.training import loop
 from tests.conftest import clone
+from tests.killing import kill_in_step
 from tests.tiny_models import tiny_model
 
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -98,15 +98,7 @@ def test_conversion_meets_the_budget_and_pseudo_moe_gives_the_same_logits(family
 def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_path, monkeypatch):
     options = dict(steps=5, checkpoint_every=2)
     _, reference, _ = converted("llama", make_ctx, work_dir=tmp_path / "a", **options)
-    real, calls = loop.random_windows, []
-
-    def dying(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt("killed in step 4")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "random_windows", dying)
+    kill_in_step(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
         converted("llama", make_ctx, work_dir=tmp_path / "b", **options)
     monkeypatch.undo()
