@@ -121,6 +121,7 @@ def test_exported_folders_hold_the_standard_layout(exported):
             assert EXPERT_KEY[fmt] in set(f.keys())
         saved = json.loads((path / "moeify_export.json").read_text())
         assert saved["exact"] and saved["max_abs_logit_diff"] == record["max_abs_logit_diff"] < FP32_TOLERANCE
+        assert saved["max_abs_mlp_diff_float64"] < 1e-12  # the mapping itself: exact
         assert [layer["routed"] for layer in saved["layers"]] == [False, True, True, True, True]
     glm4 = json.loads((exported["glm4_moe"][1] / "config.json").read_text())
     assert glm4["first_k_dense_replace"] == 1 and glm4["partial_rotary_factor"] == 1.0
@@ -134,7 +135,7 @@ def test_cli_check_and_export(native, tmp_path, capsys):
     assert capsys.readouterr().out.count("represents the model exactly") == 3
     assert main(["export", str(native), "--format", "mixtral", "--out", str(tmp_path / "mx")]) == 0
     out = capsys.readouterr().out
-    assert "exact (up to fp rounding)" in out and "params source -> export" in out
+    assert "exact (up to fp rounding)" in out and "params source -> export" in out and "(the mapping itself)" in out
     assert main(["export", str(native), "--format", "mixtral", "--out", str(tmp_path / "mx")]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert main(["export", str(native), "--format", "gpt_oss", "--out", str(tmp_path / "x")]) == 2

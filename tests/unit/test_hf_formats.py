@@ -2,6 +2,7 @@
 exactly (logits against the in-memory source), and the precise reasons when it cannot."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from moeify.arch import DecoderAdapter
+from moeify.export import hf_formats, hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
 from moeify.export.hf_parts import aligned_width
 from moeify.moe.build import moe_from_partition
@@ -85,6 +87,23 @@ def test_a_linear_unit_top1_router_is_exact_in_every_format(fmt):
     router = lambda d, n: LinearTopK(d, n, top_k=1, weighting="unit")  # noqa: E731
     source = with_moe(tiny_model("llama"), {0: 4, 1: 4}, router)
     assert logit_gap(source, fmt) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_mapping_is_measured_in_float64_and_a_wrong_one_is_refused(fmt, monkeypatch):
+    """The float64 MLP comparison sees a mapping error far below what the float32 logits can tell from
+    kernel rounding: one expert's down projection off by 1e-4 relative is refused."""
+    source = with_moe(tiny_model("llama"), {1: 4})
+    assert EXPORTERS[fmt].build(source).record["max_abs_mlp_diff_float64"] < 1e-12
+
+    def slightly_wrong(part, *args):
+        shared, experts, router = hf_parts.fold(part, *args)
+        experts[1] = replace(experts[1], down=experts[1].down * (1 + 1e-4))
+        return shared, experts, router
+
+    monkeypatch.setattr(hf_formats, "fold", slightly_wrong)
+    with pytest.raises(RuntimeError, match="in float64; not written"):
+        EXPORTERS[fmt].build(source)
 
 
 def test_glm4_router_scores_are_kept_off_sigmoid_saturation():

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     routed = sum(layer["routed"] for layer in record["layers"])
     rows = [("format", record["format"]),
             ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (distilled routers)"),
-            ("max |logit difference| (probe)", f"{record['max_abs_logit_diff']:.3g} on {record['probe']}"),
+            ("max |MLP difference|, float64", f"{record['max_abs_mlp_diff_float64']:.3g} (the mapping itself)"),
+            ("max |logit difference|, float32", f"{record['max_abs_logit_diff']:.3g} on {record['probe']}"),
             ("routed / dense layers", f"{routed} / {len(record['layers']) - routed}"),
             ("params source -> export", f"{record['params']['source']:,} -> {record['params']['export']:,}")]
     if distill := record.get("distillation"):

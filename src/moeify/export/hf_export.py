@@ -3,13 +3,15 @@
 ``EXPORTERS[name].supports(model, explain=True)`` says whether the format represents the conversion
 exactly and, if not, every reason; ``build`` makes the target model with transformers' own config and
 model classes (so transformers owns the checkpoint layout), copies attention, norms and embeddings by
-name and the MoE layers from ``hf_formats``, fills every tensor exactly once, and measures the largest
-logit difference to the source; ``save_hf`` writes it with ``save_pretrained``. The native format
+name and the MoE layers from ``hf_formats``, fills every tensor exactly once, and measures twice: every
+MLP against the one it replaces in float64 (the exactness of the mapping) and the largest float32 logit
+difference to the source (mapping plus kernel rounding); ``save_hf`` writes it with ``save_pretrained``. The native format
 (``moeify.save``) stays the lossless default: these formats exist for vLLM and SGLang.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,8 @@ EXPORT_RECORD = "moeify_export.json"
 PROBE_SHAPE = (2, 64)  # random token ids the source and the export are compared on
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXACT_TOLERANCE = 1e-4  # relative to the largest |logit|; fp32 exports land near 1e-6
+MAPPING_TOLERANCE = 1e-9  # float64 MLP outputs, relative to their largest magnitude; exact mappings: ~1e-16
+MLP_PROBE_TOKENS = 64  # random hidden states each MLP pair is compared on
 
 
 class NotExportable(ValueError):
@@ -187,6 +191,7 @@ class HfExporter:
         target = target.to(next(model.parameters()).device).eval()
         approximate = any(p.routing is not None and p.routing.approximate for p in parts)
         record = {"format": self.name, "exact": not approximate, **_compare(model, target, approximate),
+                  **_compare_mlps(model, target, parts, approximate),
                   "layers": [_layer_record(p) for p in parts],
                   "params": {"source": _count(model), "export": _count(target)}}
         return HfExport(target, self.name, record)
@@ -219,6 +224,36 @@ def _compare(source: PreTrainedModel, target: PreTrainedModel, approximate: bool
         raise RuntimeError(f"the {target.config.model_type} export differs from the source by {diff:.3g} in the "
                            f"logits (allowed {bound:.3g}); not written — please report this model")
     return {"max_abs_logit_diff": diff, "probe": f"{PROBE_SHAPE[0]}x{length} random token ids (seed 0)"}
+
+
+def _compare_mlps(source: PreTrainedModel, target: PreTrainedModel, parts: list[LayerParts],
+                  approximate: bool) -> dict[str, Any]:
+    """Largest |difference| between each source MLP and the export's MLP in its place, both copied to
+    float64 and run on the same random hidden states (scaled by the MLP's input norm weight, as after the
+    norm): the mapping itself, free of the float32 kernels' rounding that the logit difference also holds
+    (one ulp in a first layer can grow to 1e-5 in a small model's logits). Routing stays the model's
+    (cosine prototypes score in float32 by design), so a near-tie may differ; it never did in our tests.
+    An exact export above ``MAPPING_TOLERANCE`` is a bug: it fails rather than being written."""
+    adapter = DecoderAdapter(source)
+    device = next(source.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    gap, scale = 0.0, 0.0
+    for part in parts:
+        mine = copy.deepcopy(adapter.mlp_module(part.index)).double()
+        theirs = copy.deepcopy(target.get_submodule(f"model.layers.{part.index}.mlp")).double()
+        for module in theirs.modules():  # grouped_mm has no float64 kernel; eager computes the same function
+            if getattr(module, "config", None) is not None:
+                module.config._experts_implementation = "eager"
+        gamma = getattr(adapter.mlp_norm_module(part.index), "weight", None)
+        x = torch.randn(1, MLP_PROBE_TOKENS, part.shared.up.shape[1], generator=generator, dtype=torch.float64)
+        x = (x if gamma is None else x * gamma.detach().double().cpu()).to(device)
+        expected, got = mine(x), theirs(x)
+        got = got[0] if isinstance(got, tuple) else got
+        gap, scale = max(gap, float((got - expected).abs().max())), max(scale, float(expected.abs().max()))
+    if not approximate and gap > MAPPING_TOLERANCE * max(1.0, scale):
+        raise RuntimeError(f"an MLP of the {target.config.model_type} export differs from the source's by {gap:.3g} "
+                           "in float64; not written — please report this model")
+    return {"max_abs_mlp_diff_float64": gap}
 
 
 def distillable_layers(model: PreTrainedModel) -> list[str]:

@@ -158,8 +158,7 @@ def _module_part(expert: nn.Module, what: str) -> GatedMlp:
 
 
 def _input_bound(adapter: DecoderAdapter, i: int, hidden: int) -> float:
-    norm = adapter.layer(i).get_submodule(adapter.family.mlp_norm_attr)
-    gamma = getattr(norm, "weight", None)
+    gamma = getattr(adapter.mlp_norm_module(i), "weight", None)
     scale = 1.0 if gamma is None else float(gamma.detach().abs().max())
     return hidden ** 0.5 * scale
 

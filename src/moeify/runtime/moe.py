@@ -174,9 +174,10 @@ class PrototypeRouter(nn.Module):
         set_top_k(self, name, value)
 
     def similarity(self, x: Tensor) -> Tensor:
-        """sim(x, mu_i) = x.mu_i / (|x| |mu_i| + eps): (tokens, experts); Eq. 13."""
-        dots = x.float() @ self.prototypes.T
-        return dots / (x.float().norm(dim=-1, keepdim=True) * self.prototypes.norm(dim=-1) + self.eps)
+        """sim(x, mu_i) = x.mu_i / (|x| |mu_i| + eps): (tokens, experts); Eq. 13. Always in float32, also
+        in a float64 copy of the model (the routing decisions are the model's, whatever its precision)."""
+        x, protos = x.float(), self.prototypes.float()
+        return (x @ protos.T) / (x.norm(dim=-1, keepdim=True) * protos.norm(dim=-1) + self.eps)
 
     def forward(self, x: Tensor) -> Dispatch:
         chosen = torch.topk(self.similarity(x), self.top_k, dim=-1).indices  # Eq. 12
