@@ -120,7 +120,8 @@ def _prune_attention_(adapter: Any, i: int, modules: Any, mean_embedding: Tensor
     kept = (half > 0).nonzero().flatten()
     if kept.numel() == 0:
         kept = half.argmax().reshape(1)
-    router = HeadDimRouter(attn.q_proj.in_features, attn.head_dim, EMBED_DIM, top_k).to(half)
+    hidden = adapter.attention_projections(i)["q"].in_features
+    router = HeadDimRouter(hidden, attn.head_dim, EMBED_DIM, top_k).to(half)
     router.proj_e.weight.copy_(modules.proj_e.weight)
     router.proj_e.bias.copy_(modules.proj_e.bias + mean_embedding)  # (1/N) 1^T E as Proj_E's bias (§3.5)
     router.norm.load_state_dict(modules.proj_vo[0].state_dict())

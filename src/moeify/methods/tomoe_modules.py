@@ -110,10 +110,12 @@ class MaskedMLP(nn.Module):
 class AttentionMasks:
     """Hooks that mask a LLaMA-style attention's head dimension during training (Eq. 4-5).
 
-    ``tokens_kept`` holds, after a forward pass, s_t for every token (tokens, head_dim), for the union
-    and parameter regularisers; ``qk_kept`` holds s_0' (head_dim,)."""
+    ``projections`` are the attention's q/k/v/o by role (``DecoderAdapter.attention_projections``), so
+    the family's module names stay in ``arch``. ``tokens_kept`` holds, after a forward pass, s_t for every
+    token (tokens, head_dim), for the union and parameter regularisers; ``qk_kept`` holds s_0' (head_dim,)."""
 
-    def __init__(self, attn: nn.Module, modules: LayerModules, tau: float) -> None:
+    def __init__(self, attn: nn.Module, projections: dict[str, nn.Linear], modules: LayerModules,
+                 tau: float) -> None:
         self.modules_, self.tau, self.head_dim = modules, tau, attn.head_dim
         self.mean_embedding: Tensor | None = None  # (1/N) 1^T E, set before every step
         self.enabled = True
@@ -123,10 +125,10 @@ class AttentionMasks:
         self._token_masks: Tensor | None = None
         self._handles: list[RemovableHandle] = [
             attn.register_forward_pre_hook(self._masks, with_kwargs=True),
-            attn.q_proj.register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
-            attn.k_proj.register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
-            attn.v_proj.register_forward_hook(lambda _m, _i, out: self._apply(out, self._token_masks)),
-            attn.o_proj.register_forward_pre_hook(lambda _m, args: (self._apply(args[0], self._token_masks),)),
+            projections["q"].register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
+            projections["k"].register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
+            projections["v"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._token_masks)),
+            projections["o"].register_forward_pre_hook(lambda _m, args: (self._apply(args[0], self._token_masks),)),
         ]
 
     def _masks(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:

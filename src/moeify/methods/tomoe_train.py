@@ -76,8 +76,8 @@ class MaskedModel:
         self.mlps = [MaskedMLP(w, m, cfg.tau) for w, m in zip(self.weights, theta.layers)]
         self.attention = []
         if cfg.attention == "on":
-            self.attention = [AttentionMasks(adapter.attention_module(i), m, cfg.tau)
-                              for i, m in enumerate(theta.layers)]
+            self.attention = [AttentionMasks(adapter.attention_module(i), adapter.attention_projections(i), m,
+                                             cfg.tau) for i, m in enumerate(theta.layers)]
         self.total = sum(adapter.attention_params(i) + w.num_params for i, w in enumerate(self.weights))
         for i, mlp in enumerate(self.mlps):
             adapter.replace_mlp_(i, mlp)
