@@ -5,8 +5,8 @@ exactly and, if not, every reason; ``build`` makes the target model with transfo
 model classes (so transformers owns the checkpoint layout), copies attention, norms and embeddings by
 name and the MoE layers from ``hf_formats``, fills every tensor exactly once, and measures twice: every
 MLP against the one it replaces in float64 (the exactness of the mapping) and the largest float32 logit
-difference to the source (mapping plus kernel rounding); ``save_hf`` writes it with ``save_pretrained``. The native format
-(``moeify.save``) stays the lossless default: these formats exist for vLLM and SGLang.
+difference to the source (mapping plus kernel rounding); ``save_hf`` writes it with ``save_pretrained``.
+The native format (``moeify.save``) stays the lossless default: these formats exist for vLLM and SGLang.
 """
 
 from __future__ import annotations
