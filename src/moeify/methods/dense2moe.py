@@ -63,7 +63,7 @@ from moeify.calibration.data import calibration_batches
 from moeify.calibration.similarity import layer_similarity, similarity_heatmaps
 from moeify.methods.base import ConversionContext, Method
 from moeify.methods.dense2moe_build import expert_sources, fuse_layers_, rank_spans, select_span
-from moeify.methods.options import OptionError, option, require_at_most
+from moeify.methods.options import OptionError, option, require_at_most, require_work_dir_for_resume
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,7 @@ class Dense2moeConfig:
 
 
 def convert(ctx: ConversionContext, cfg: Dense2moeConfig) -> dict[str, Any]:
-    if cfg.resume and ctx.work_dir is None:
-        raise OptionError("resume=true needs a work folder with checkpoints (moeify convert keeps it beside "
-                          "--out as <out>.work; in Python pass convert(work_dir=...))")
+    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
     seq_len = cfg.effective_seq_len(ctx.model.config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     similarity = layer_similarity(ctx.model, batches, device=ctx.device, progress=ctx.progress)

@@ -44,7 +44,7 @@ from transformers import PreTrainedConfig
 
 from moeify.calibration.data import TextSource
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.options import OptionError, option, require_at_most
+from moeify.methods.options import OptionError, option, require_at_most, require_work_dir_for_resume
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.runtime.moe import ThresholdRouter
@@ -102,9 +102,7 @@ def partition_model_(ctx: ConversionContext, cfg: DsmoeConfig) -> list[list[int]
 
 
 def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> dict[str, Any]:
-    if cfg.resume and ctx.work_dir is None:
-        raise OptionError("resume=true needs a work folder with checkpoints (moeify convert keeps it beside "
-                          "--out as <out>.work; in Python pass convert(work_dir=...))")
+    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
     seq_len = cfg.effective_seq_len(ctx.model.config)
     details: dict[str, Any] = {"expert_sizes": partition_model_(ctx, cfg), "train_seq_len": seq_len}
     if cfg.steps:

@@ -29,6 +29,14 @@ def require_at_most(name: str, value: int | None, limit: int, what: str) -> None
         raise OptionError(f"{name}={value} must be <= {what} ({limit})")
 
 
+def require_work_dir_for_resume(resume: bool, work_dir: object) -> None:
+    """``resume=true`` continues from checkpoints, which live in the work folder: without one, say where
+    it comes from instead of starting over silently."""
+    if resume and work_dir is None:
+        raise OptionError("resume=true needs a work folder with checkpoints (moeify convert keeps it beside "
+                          "--out as <out>.work; in Python pass convert(work_dir=...))")
+
+
 def _convert(name: str, raw: Any, annotation: Any) -> Any:
     """Turn a ``--set`` string (or an already typed value) into the field's type."""
     origin, args = get_origin(annotation), get_args(annotation)

@@ -39,7 +39,7 @@ from transformers import PreTrainedConfig
 
 from moeify.evaluation.plots import training_curves
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.options import OptionError, option, require_at_most
+from moeify.methods.options import OptionError, option, require_at_most, require_work_dir_for_resume
 
 CURVES_PNG = "tomoe_training.png"
 
@@ -76,9 +76,7 @@ def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
     from moeify.methods.tomoe_train import learn
     from moeify.moe.head_dim import head_dim_support
 
-    if cfg.resume and ctx.work_dir is None:
-        raise OptionError("resume=true needs a work folder with checkpoints (moeify convert keeps it beside "
-                          "--out as <out>.work; in Python pass convert(work_dir=...))")
+    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
     if cfg.attention == "on" and (reason := head_dim_support(ctx.adapter.attention_module(0))):
         raise OptionError(f"attention=on is not possible for this model: {reason}; use attention=off")
     seq_len = cfg.effective_seq_len(ctx.model.config)
