@@ -101,14 +101,15 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
         i = step.index
         weights = adapter.mlp(i)
         attn = adapter.attention_module(i)
+        projections = None if blocker else adapter.attention_projections(i)  # q/k/v/o by role
         squares = MeanSquares(weights.hidden_size, weights.intermediate_size)
         with (capture_inputs(adapter.mlp_module(i), lambda x: squares.update(x, weights.hidden(x))),
-              nullcontext() if blocker else observe_head_dims(attn) as head_squares):
+              nullcontext() if blocker else observe_head_dims(projections, attn.head_dim) as head_squares):
             step.run()
         if blocker:
             count = max(1, round(keep_share * weights.intermediate_size))
         else:
-            qk_index, vo_index = static_head_dims(head_squares, attn.o_proj.weight, cfg.active_ratio)
+            qk_index, vo_index = static_head_dims(head_squares, projections["o"].weight, cfg.active_ratio)
             pruned = pruned_attention(attn, qk_index, vo_index=vo_index)
             # The layer's budget r x (P_attn + P_mlp), less what the pruned attention activates.
             budget = cfg.active_ratio * (adapter.attention_params(i) + weights.num_params) - pruned.active_params()

@@ -51,12 +51,13 @@ class HeadDimSquares:
 
 
 @contextmanager
-def observe_head_dims(attn: nn.Module) -> Iterator[HeadDimSquares]:
-    """Hooks on ``attn``'s q/k/v projections (LLaMA-style, see ``moe.head_dim.head_dim_support``) that
-    fill the yielded ``HeadDimSquares`` while the block runs; removed even when an exception escapes."""
-    head_dim = attn.head_dim
-    squares = HeadDimSquares(attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim, head_dim)
-    handles = [getattr(attn, f"{name}_proj").register_forward_hook(
+def observe_head_dims(projections: dict[str, nn.Linear], head_dim: int) -> Iterator[HeadDimSquares]:
+    """Hooks on an attention's q/k/v projections (by role, ``DecoderAdapter.attention_projections``;
+    LLaMA-style, see ``moe.head_dim.head_dim_support``) that fill the yielded ``HeadDimSquares`` while
+    the block runs; removed even when an exception escapes."""
+    squares = HeadDimSquares(projections["q"].out_features // head_dim, projections["k"].out_features // head_dim,
+                             head_dim)
+    handles = [projections[name].register_forward_hook(
         lambda _module, _args, out, name=name: squares.update(name, out)) for name in ("q", "k", "v")]
     try:
         yield squares
