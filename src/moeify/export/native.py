@@ -6,8 +6,9 @@ parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure i
 ``num_hidden_layers``), ``model.safetensors``, the tokenizer, and
 three code files: ``moeify_moe.py`` and ``moeify_attention.py`` (verbatim copies of
 :mod:`moeify.runtime.moe` and :mod:`moeify.runtime.attention`) and ``modeling_moeify.py``. Attention
-modules with a pruned head dimension are listed under ``moeify.attention``. The changed ``model_type`` makes a plain ``from_pretrained`` without
-``trust_remote_code`` fail loudly instead of silently loading dense MLPs with missing weights.
+modules with a pruned head dimension are listed under ``moeify.attention``. The changed ``model_type``
+makes a plain ``from_pretrained`` without ``trust_remote_code`` fail loudly instead of silently loading
+dense MLPs with missing weights.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 - MLP: s_e = round(sigmoid(Proj_D^MLP(E) + b)) (Eq. 11 without noise: inference is deterministic); the
   hypernetwork and Proj_D^MLP are dropped. A short training run may end before R_P reaches 0, so s_e
   thresholds the logits at the one value theta (shared by all layers) that meets p T_total exactly, as
-  R_P asks: theta = 0 when training converged (``budget_threshold``, recorded as ``mask_threshold``). Every expert is widened to the layer's widest expert (the paper
+  R_P asks: theta = 0 when training converged (``budget_threshold``, recorded as ``mask_threshold``).
+  Every expert is widened to the layer's widest expert (the paper
   "adjust[s] the width of all experts to match the maximum size among them") with the union neurons of
   highest Proj_D^MLP logit it lacks, so only neurons in the union of experts are kept. The layer becomes
   an ``MoeMLP`` whose experts are those neuron subsets (Eq. 12) with an ``ArgmaxRouter`` (top-1, unscaled

@@ -3,7 +3,8 @@
 Counted over the projections of attention and MLP (weights and biases), as MoRE's Eq. 16 defines the
 activated-parameter ratio: APR = (P_act,attn + E[P_act,mlp]) / (P_attn + P_mlp); embeddings, norms and
 the LM head are outside both numerator and denominator. P_act,attn is P_attn unless the head dimension
-was pruned (``runtime.attention.PrunedAttention``: narrower Q/K, kept or top-K V/O width per token). E[P_act,mlp] is the shared part plus the experts
+was pruned (``runtime.attention.PrunedAttention``: narrower Q/K, kept or top-K V/O width per token).
+E[P_act,mlp] is the shared part plus the experts
 a token is routed to, averaged over the tokens the layers actually saw (``measured``), or under
 uniform routing with the routers' nominal expert count (``nominal``, e.g. CMoE's (S+A)/E). Router parameters are not
 part of the dense model, so they are reported separately (``router_params``) and not counted in APR,
