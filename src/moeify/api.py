@@ -24,6 +24,7 @@ from moeify.methods.options import OptionError, build_config, parse_bool
 from moeify.moe.accounting import activated_parameters, moe_layers, nominal_activated_parameters, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.runtime.attention import PrunedAttention
+from moeify.runtime.moe import set_packed_widths
 
 EMBEDDED_MODEL = "embedded:stories260K"
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
@@ -150,6 +151,7 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
                             work_dir=None if work_dir is None else Path(work_dir))
     start = time.perf_counter()
     details = spec.convert(ctx, config)
+    set_packed_widths(ctx.model)  # what a load of the saved folder sets too
     convert_s = time.perf_counter() - start
     moe = ctx.model.eval()
     quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)

@@ -73,12 +73,13 @@ def test_softmax_router_weights_and_identical_copies():
     router = SoftmaxTopKRouter(hidden_size=8, num_experts=4, top_k=2)
     x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
     torch.nn.init.zeros_(router.proj.weight)  # untrained: p uniform, the chosen weights sum to 1
-    d = router(x)
-    assert d.counts.sum() == 20 and torch.allclose(d.weight, torch.full((20,), 0.5))
+    d = router(x)  # the dispatch carries p_i; the layer scales the experts' outputs by E / k
+    assert router.expert_scale == 4 / 2
+    assert d.counts.sum() == 20 and torch.allclose(d.weight * router.expert_scale, torch.full((20,), 0.5))
     torch.nn.init.normal_(router.proj.weight, generator=torch.Generator().manual_seed(2))
     d = router(x)
     probs = torch.softmax(x @ router.proj.weight.T, -1)
-    torch.testing.assert_close(d.weight, probs[d.token, d.expert] * 4 / 2)  # p_i * E / k
+    torch.testing.assert_close(d.weight, probs[d.token, d.expert])  # p_i
     copy = torch.nn.Linear(8, 8)
     layer = MoeMLP([_expert_like(copy) for _ in range(4)], router)
     router.set_option("top_k", 1)

@@ -3,15 +3,14 @@ petals, cosine prototypes), a top-1 ToMoE conversion (MLP experts, attention kep
 conversion (one layer fused away, softmax-weighted experts) exported to every format that represents
 them load with plain transformers in a process that cannot import moeify, and give the native logits.
 
-fp32 tolerance: exactness of the mapping is checked in float64, where every export reproduces the native
-logits to 1e-9. In float32 the export runs the same arithmetic through other kernels (one fused gate/up
-matmul per expert on zero-padded widths, transformers' grouped_mm on slices of a sorted buffer) whose
-sums round differently by about one ulp, and this 5-layer model amplifies an ulp in its first MoE layer
-to 1e-5 in the logits: the native logits themselves move by 2.55e-5 (the text probe) and 1.4e-5 (the
-random one) between its sdpa and eager attention, and by 9.5e-6 between batched and per-row
-evaluation. Measured export gaps on 13 probes (1-512 tokens, batches 1-8): MoRE 0-2.0e-5 (mixtral,
-which folds the backbone into every expert: 2.7e-5), ToMoE 0-2.0e-5, Dense2MoE 0-9.5e-6. So fp32 is
-checked against 3e-5.
+fp32: at inference the native runtime runs its experts in the layout transformers holds them in (stacked,
+zero-padded to the export's width, one fused gate/up grouped matmul; the shared part at the export's
+width), so each exported MLP block computes bit for bit what the native layer computes, and the logits
+agree within the issue's 1e-5. What remains is below it: on one-token inputs MKL's matrix-vector kernels
+round by the memory alignment of the weights, which safetensors' memory map leaves to each file's
+layout (measured 3.3e-6). Except mixtral for MoRE: mixtral has no shared part, so the backbone and the
+dense first layer join every expert, one sum where the native model has two; exact in float64 (checked
+below to 1e-9), within 3e-5 in float32 (measured 0.95e-5..2.0e-5).
 """
 
 import json
@@ -29,7 +28,9 @@ from moeify.moe.accounting import moe_layers
 from tests.remote import plain_logits
 
 FORMATS = tuple(EXPORTERS)
-FP32_TOLERANCE = 3e-5
+FP32_TOLERANCE = 1e-5  # the issue's bound
+FOLDED = {("more", "mixtral")}  # the shared part and dense layers folded into every expert
+FOLDED_FP32_TOLERANCE = 3e-5
 ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 EXPERT_KEY = {"glm4_moe": "model.layers.1.mlp.experts.3.gate_proj.weight",  # transformers' original layout,
               "qwen2_moe": "model.layers.1.mlp.experts.3.up_proj.weight",  # the one serving engines read
@@ -97,7 +98,21 @@ def test_plain_transformers_without_moeify_loads_every_export(natives, exports, 
         with torch.no_grad():
             for probe, ids in probes.items():
                 gap = float((logits[probe] - reference(ids).logits).abs().max())
-                assert gap < FP32_TOLERANCE, (name, fmt, probe, gap)
+                assert gap < (FOLDED_FP32_TOLERANCE if (name, fmt) in FOLDED else FP32_TOLERANCE), \
+                    (name, fmt, probe, gap)
+
+
+@pytest.mark.parametrize("name, fmt", [e for e in EXPORTS if e not in FOLDED])
+def test_exported_mlp_blocks_compute_the_native_layers_bit_for_bit(natives, name, fmt, probes):
+    model = moeify.load(natives[name]).eval()
+    export = EXPORTERS[fmt].build(model).model.eval()
+    inputs = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda module, args, i=i: inputs.setdefault(i, args[0]))
+    with torch.no_grad():
+        model(probes["text"])
+        for i, x in inputs.items():
+            assert torch.equal(model.model.layers[i].mlp(x), export.model.layers[i].mlp(x)), (name, fmt, i)
 
 
 @pytest.mark.parametrize("name, fmt", EXPORTS)
@@ -121,9 +136,10 @@ def test_exported_folders_hold_the_standard_layout(exported):
         with safe_open(path / "model.safetensors", "pt") as f:
             assert EXPERT_KEY[fmt] in set(f.keys())
         saved = json.loads((path / "moeify_export.json").read_text())
-        assert saved["exact"] and saved["max_abs_logit_diff"] == record["max_abs_logit_diff"] < FP32_TOLERANCE
+        assert saved["exact"] and saved["max_abs_logit_diff"] == record["max_abs_logit_diff"] < FOLDED_FP32_TOLERANCE
         assert saved["max_abs_mlp_diff_float64"] < 1e-12  # the mapping itself: exact
         assert [layer["routed"] for layer in saved["layers"]] == [False, True, True, True, True]
+        assert saved["rearranged_layers"] == ([0, 1, 2, 3, 4] if fmt == "mixtral" else [])
     glm4 = json.loads((exported["glm4_moe"][1] / "config.json").read_text())
     assert glm4["first_k_dense_replace"] == 1 and glm4["partial_rotary_factor"] == 1.0
     assert glm4["num_experts_per_tok"] == 1 and glm4["norm_topk_prob"] and glm4["routed_scaling_factor"] == 1.0
@@ -137,6 +153,7 @@ def test_cli_check_and_export(native, tmp_path, capsys):
     assert main(["export", str(native), "--format", "mixtral", "--out", str(tmp_path / "mx")]) == 0
     out = capsys.readouterr().out
     assert "exact (up to fp rounding)" in out and "params source -> export" in out and "(the mapping itself)" in out
+    assert "rearranged in layers 0, 1, 2, 3, 4" in out  # mixtral folds MoRE's backbone and dense layer
     assert main(["export", str(native), "--format", "mixtral", "--out", str(tmp_path / "mx")]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert main(["export", str(native), "--format", "gpt_oss", "--out", str(tmp_path / "x")]) == 2

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from moeify.arch import DecoderAdapter
 from moeify.export import hf_formats, hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
-from moeify.export.hf_parts import aligned_width
+from moeify.runtime.moe import aligned_width
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition
 from moeify.runtime.moe import Dispatch, PrototypeRouter, ThresholdRouter

@@ -96,3 +96,79 @@ def test_expert_widths_may_differ_and_spec_roundtrips():
     x = torch.randn(9, 16)
     torch.testing.assert_close(rebuilt(x), layer(x))
     assert isinstance(rebuilt.experts[0], ExpertMLP)
+
+
+def _threshold_layer(mlp: MlpWeights) -> MoeMLP:
+    from moeify.runtime.moe import ThresholdRouter
+
+    layer = layer_for(mlp, shared=0, experts=5, top_k=1)
+    router = ThresholdRouter(mlp.hidden_size, 5, tau=0.5)
+    torch.nn.init.normal_(router.proj.weight, generator=torch.Generator().manual_seed(3))
+    return MoeMLP(list(layer.experts), router)
+
+
+@pytest.mark.parametrize("case", ["gated-shared-top2", "two-layer-bias-top1", "unequal-widths-top1", "threshold",
+                                  "softmax-scale"])
+def test_inference_path_computes_what_the_training_path_computes(case):
+    """At inference the layer runs its packed copy (stacked, zero-padded, grouped matmuls); with
+    gradients on, each expert's own modules. Same function: within float32 rounding, and to 1e-12 in
+    float64 (where grouped_mm has no kernel and the per-expert matmul fallback runs)."""
+    from moeify.runtime.moe import SoftmaxTopKRouter
+
+    if case == "gated-shared-top2":
+        layer = layer_for(random_mlp(), shared=6, experts=4, top_k=2)
+        with torch.no_grad():
+            layer.router.u.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))
+    elif case == "two-layer-bias-top1":
+        layer = layer_for(random_mlp(gated=False, bias=True), shared=5, experts=3, top_k=1)
+    elif case == "unequal-widths-top1":
+        layer = moe_from_partition(random_mlp(d_h=37), ExpertPartition(torch.arange(5), (
+            torch.arange(5, 9), torch.arange(9, 30), torch.arange(30, 37))),
+            RepresentativeRouter(16, 3, 1, "silu", True, False))
+        torch.nn.init.normal_(layer.router.neurons.up.weight, generator=torch.Generator().manual_seed(4))
+    elif case == "threshold":  # a token-dependent number of experts, some tokens with none
+        layer = _threshold_layer(random_mlp())
+    else:
+        layer = layer_for(random_mlp(), shared=0, experts=4, top_k=1)
+        layer.router = SoftmaxTopKRouter(16, 4, top_k=2)
+        torch.nn.init.normal_(layer.router.proj.weight, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(2, 33, 16, generator=torch.Generator().manual_seed(6))
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        layer.to(dtype)
+        with torch.no_grad():
+            packed = layer(x.to(dtype))
+        assert layer._packed is not None
+        trained = layer(x.to(dtype))  # gradients on: the per-expert path, and the copy is dropped
+        assert layer._packed is None
+        torch.testing.assert_close(packed, trained.detach(), atol=tol, rtol=tol)
+
+
+def test_packed_copy_follows_the_weights():
+    layer = layer_for(random_mlp(), shared=6, experts=4, top_k=1)
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = layer(x)
+        layer.experts[2].down.weight.mul_(3.0)  # in place: the version counter moves
+        after = layer(x)
+        layer.shared.neurons.up.weight = torch.nn.Parameter(torch.zeros_like(layer.shared.neurons.up.weight))
+        no_shared = layer(x)
+    routed_to_2 = layer.router(x).expert == 2
+    rows = layer.router(x).token[routed_to_2]
+    assert rows.numel() and not torch.allclose(before[rows], after[rows])
+    reference = layer(x).detach()  # the per-expert path on the current weights
+    torch.testing.assert_close(no_shared, reference, atol=1e-6, rtol=1e-6)
+    assert float(layer.shared(x).detach().abs().max()) == 0.0
+
+
+def test_packed_widths_are_aligned_and_shared_a_multiple_of_the_expert_width():
+    from moeify.runtime.moe import aligned_width, packed_widths
+
+    assert aligned_width(29) == 32 and aligned_width(300) == 320 and aligned_width(201) == 208
+    assert packed_widths([29, 21, 9], [93, 90]) == (32, 96)
+    assert packed_widths([512, 512], []) == (512, 0)
+    layer = layer_for(random_mlp(d_h=37), shared=7, experts=3, top_k=1)
+    with torch.no_grad():
+        layer(torch.randn(4, 16))
+    packed = layer._packed[1]
+    assert packed.first.shape == (3, 2 * 16, 16) and packed.down.shape == (3, 16, 16)  # widths 10 -> 16
+    assert packed.shared[1].shape == (16, 16)  # 7 -> a multiple of 16

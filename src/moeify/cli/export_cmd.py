@@ -41,6 +41,13 @@ def _print_check(model: Path) -> int:
     return 0
 
 
+def _float32_sums(rearranged: list[int]) -> str:
+    if not rearranged:
+        return "as the native model's (its MoE layers run in this layout)"
+    return (f"rearranged in layers {', '.join(map(str, rearranged))} (a shared part or dense MLP folded into the "
+            "experts: same function, other float32 rounding; glm4_moe/qwen2_moe keep them)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.check:
         return _print_check(args.model)
@@ -55,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (distilled routers)"),
             ("max |MLP difference|, float64", f"{record['max_abs_mlp_diff_float64']:.3g} (the mapping itself)"),
             ("max |logit difference|, float32", f"{record['max_abs_logit_diff']:.3g} on {record['probe']}"),
+            ("float32 MLP sums", _float32_sums(record["rearranged_layers"])),
             ("routed / dense layers", f"{routed} / {len(record['layers']) - routed}"),
             ("params source -> export", f"{record['params']['source']:,} -> {record['params']['export']:,}")]
     if distill := record.get("distillation"):

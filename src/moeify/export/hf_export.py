@@ -27,11 +27,10 @@ from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
 from moeify.export.io import atomic_dir
 from moeify.runtime.attention import PrunedAttention
-from moeify.runtime.moe import MoeMLP
+from moeify.runtime.moe import GROUPED_MM_DTYPES, MoeMLP
 
 EXPORT_RECORD = "moeify_export.json"
 PROBE_SHAPE = (2, 64)  # random token ids the source and the export are compared on
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXACT_TOLERANCE = 1e-4  # relative to the largest |logit|; fp32 exports land near 1e-6
 MAPPING_TOLERANCE = 1e-9  # float64 MLP outputs, relative to their largest magnitude; exact mappings: ~1e-16
 MLP_PROBE_TOKENS = 64  # random hidden states each MLP pair is compared on
@@ -190,7 +189,8 @@ class HfExporter:
             raise RuntimeError(f"internal error: {self.name} tensors left unwritten: {', '.join(unwritten[:5])}")
         target = target.to(next(model.parameters()).device).eval()
         approximate = any(p.routing is not None and p.routing.approximate for p in parts)
-        record = {"format": self.name, "exact": not approximate, **_compare(model, target, approximate),
+        record = {"format": self.name, "exact": not approximate,
+                  "rearranged_layers": self.format.rearranged(parts, config), **_compare(model, target, approximate),
                   **_compare_mlps(model, target, parts, approximate),
                   "layers": [_layer_record(p) for p in parts],
                   "params": {"source": _count(model), "export": _count(target)}}

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 from transformers import Glm4MoeConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
 
-from moeify.export.hf_parts import GatedMlp, LayerParts, aligned_width, fold
+from moeify.export.hf_parts import GatedMlp, LayerParts, fold
+from moeify.runtime.moe import aligned_width, packed_widths
 
 SIGMOID_SCORE_BOUND = 2.0  # |router score| kept below this: sigmoid stays strictly increasing in fp32
 
@@ -77,6 +78,12 @@ class TargetFormat(Protocol):
     def config(self, parts: list[LayerParts], source: Source) -> PretrainedConfig: ...
 
     def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]: ...
+
+    def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
+        """Layers whose MLP the format holds in another arrangement than moeify's runtime computes it
+        (a shared part or a dense MLP folded into the experts): the same function, other float32 sums.
+        Every other layer's block computes the native layer's float32 sums in the same order."""
+        ...
 
 
 def routing_reasons(parts: list[LayerParts], softmax_ok: bool) -> list[str]:
@@ -138,10 +145,10 @@ class Glm4Moe:
     def config(self, parts: list[LayerParts], source: Source) -> PretrainedConfig:
         k = self._leading_dense(parts)
         moe = parts[k:]
-        width = aligned_width(_max([e.width for p in moe for e in p.experts], 1))
+        width, shared = packed_widths([e.width for p in moe for e in p.experts],
+                                      [p.shared.width for p in moe if p.routed])
         dense_after = _max([p.shared.width for p in moe if not p.routed])
-        n_shared = max(1, math.ceil(_max([p.shared.width for p in moe if p.routed]) / width),
-                       math.ceil((dense_after - width) / width))
+        n_shared = max(1, shared // width, math.ceil((dense_after - width) / width))
         rope = {**source.base_fields()["rope_parameters"], "partial_rotary_factor": source.rotary_fraction}
         dense_width = _max([p.shared.width for p in parts[:k]], source.config.intermediate_size)
         return Glm4MoeConfig(**{**source.base_fields(), "rope_parameters": rope, "tie_word_embeddings": False},
@@ -168,6 +175,9 @@ class Glm4Moe:
             out[prefix + "gate.e_score_correction_bias"] = torch.zeros(experts_n, dtype=torch.float32)
         return out
 
+    def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
+        return [p.index for p in parts if p.index >= config.first_k_dense_replace and not p.routed]
+
 
 class Qwen2Moe:
     name = "qwen2_moe"
@@ -186,12 +196,12 @@ class Qwen2Moe:
     def config(self, parts: list[LayerParts], source: Source) -> PretrainedConfig:
         routed = [p for p in parts if p.routed]
         dense = [p for p in parts if not p.routed]
-        shared_width = aligned_width(max(1, _max([p.shared.width for p in routed])))  # never zero-size tensors
+        width, shared = packed_widths([e.width for p in routed for e in p.experts], [p.shared.width for p in routed])
         return Qwen2MoeConfig(**source.base_fields(), qkv_bias=True, use_sliding_window=False,
                               mlp_only_layers=[p.index for p in dense], decoder_sparse_step=1,
                               intermediate_size=_max([p.shared.width for p in dense], source.config.intermediate_size),
-                              moe_intermediate_size=aligned_width(_max([e.width for p in routed for e in p.experts])),
-                              shared_expert_intermediate_size=shared_width,
+                              moe_intermediate_size=width,
+                              shared_expert_intermediate_size=shared or aligned_width(1),  # no zero-size tensors
                               num_experts=_max([len(p.experts) for p in routed]),
                               num_experts_per_tok=routed[0].routing.top_k,
                               norm_topk_prob=routed[0].routing.weighting == "unit")
@@ -209,6 +219,9 @@ class Qwen2Moe:
             out[prefix + "shared_expert_gate.weight"] = shared.up.new_zeros(1, shared.up.shape[1])
             out.update(routed_tensors(prefix, experts, config.moe_intermediate_size, router))
         return out
+
+    def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
+        return []
 
 
 class Mixtral:
@@ -231,6 +244,9 @@ class Mixtral:
             _, experts, router = fold(part, 0, config.num_local_experts)
             out.update(routed_tensors(f"model.layers.{part.index}.mlp.", experts, config.intermediate_size, router))
         return out
+
+    def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
+        return [p.index for p in parts if p.shared.width]
 
 
 FORMATS: dict[str, TargetFormat] = {f.name: f for f in (Glm4Moe(), Qwen2Moe(), Mixtral())}

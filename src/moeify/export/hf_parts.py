@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
-from moeify.runtime.moe import MoeMLP, PrototypeRouter, SoftmaxTopKRouter
+from moeify.runtime.moe import MoeMLP, PrototypeRouter, SoftmaxTopKRouter, aligned_width
 
 Weighting = Literal["unit", "softmax"]
 SUPPORTED_ACT = "silu"  # the only MLP activation vLLM's MoE kernels implement for these formats
@@ -126,7 +126,7 @@ def linear_routing(router: nn.Module) -> tuple[Routing, float]:
         norms = protos.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(protos.dtype).tiny)
         return Routing(protos / norms, router.top_k, "unit"), 1.0  # a zero prototype stays zero (similarity 0)
     if isinstance(router, SoftmaxTopKRouter):  # weights p_i * E / k: softmax probabilities times a constant
-        return Routing(router.proj.weight.detach().double(), router.top_k, "softmax"), router.num_experts / router.top_k
+        return Routing(router.proj.weight.detach().double(), router.top_k, "softmax"), router.expert_scale
     if hasattr(router, "linear_score_weight"):
         weighting = getattr(router, "weighting", None)
         if weighting not in ("unit", "softmax"):
@@ -211,13 +211,6 @@ def layer_parts(model: nn.Module, routings: dict[str, Routing] | None = None
             shared = GatedMlp.empty(hidden, experts[0].up)
         parts.append(LayerParts(i, where, shared, experts, routing, _input_bound(adapter, i, hidden)))
     return parts, errors
-
-
-def aligned_width(width: int) -> int:
-    """Stacked expert widths padded so every row stride is a multiple of 16 bytes in 2-byte dtypes (what
-    transformers' grouped_mm path needs), to a multiple of 64 when that adds at most 1/8 of the width."""
-    by64 = -(-width // 64) * 64
-    return by64 if by64 - width <= width / 8 else -(-max(width, 1) // 8) * 8
 
 
 def fold(part: LayerParts, shared_width: int, num_experts: int) -> tuple[GatedMlp, list[GatedMlp], Tensor]:

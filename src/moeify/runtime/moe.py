@@ -11,6 +11,17 @@ value)`` for runtime options and ``spec()`` (constructor arguments, rebuilt by `
 returns a ``Dispatch``: a flat list of (token, expert, weight) triples sorted by expert, plus per-expert
 counts from ``torch.bincount`` (which, unlike ``histc``, works for integers on CPU). The layer then runs
 each expert on exactly the tokens routed to it: real sparse compute, never a mask over a dense product.
+
+Two paths compute the same function. While gradients are on (training), each expert is its own
+``nn.Linear`` modules, run one after the other. At inference the layer runs a packed copy of its experts
+(``PackedExperts``), laid out the way transformers 5 and serving engines hold MoE experts: gate and up
+rows of all experts stacked in one (E, 2W, d) tensor, zero-padded to one aligned width W, one grouped
+matmul per projection over the tokens sorted by expert, the shared part zero-padded to a multiple of W.
+Zero padding is exact; what it buys is that the float32 sums run through the same kernels, in the same
+order, as in a ``moeify export`` of the model, so the exported model reproduces the native logits
+bit for bit (and the stacked experts are as fast as the per-expert loop or faster; see
+benchmarks/bench_export_layout.py). The packed copy is rebuilt whenever a weight changes, and dropped by
+the next forward with gradients on; it holds the layer's weights a second time while it exists.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
 FORMAT_VERSION = 1
@@ -28,26 +40,26 @@ FORMAT_VERSION = 1
 @dataclass(frozen=True)
 class Dispatch:
     """What every router returns. ``token``/``expert``/``weight`` are (n_pairs,) sorted by expert;
-    ``counts`` is (num_experts,) with the number of pairs per expert."""
+    ``counts`` is (num_experts,) with the number of pairs per expert. A top-k router's dispatch also
+    has ``top_k`` and ``slot``: each pair's index in the flattened (tokens, k) choice matrix, so that
+    the expert outputs can be summed per token in slot order, as transformers does."""
 
     token: Tensor
     expert: Tensor
     weight: Tensor
     counts: Tensor
+    top_k: int | None = None
+    slot: Tensor | None = None
 
     @staticmethod
     def from_topk(indices: Tensor, weights: Tensor, num_experts: int) -> "Dispatch":
-        """indices, weights: (tokens, k) -> flat pairs sorted by expert."""
-        tokens, k = indices.shape
+        """indices, weights: (tokens, k) -> flat pairs sorted by expert with ``torch.sort``, the sort of
+        transformers' MoE experts (which order tokens within an expert's group changes float32 sums)."""
+        k = indices.shape[1]
         flat_expert = indices.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token = torch.arange(tokens, device=indices.device).repeat_interleave(k)
-        return Dispatch(
-            token=token[order],
-            expert=flat_expert[order],
-            weight=weights.reshape(-1)[order],
-            counts=torch.bincount(flat_expert, minlength=num_experts),
-        )
+        expert, slot = torch.sort(flat_expert)
+        return Dispatch(token=slot // k, expert=expert, weight=weights.reshape(-1)[slot],
+                        counts=torch.bincount(flat_expert, minlength=num_experts), top_k=k, slot=slot)
 
     @staticmethod
     def from_mask(active: Tensor, weights: Tensor) -> "Dispatch":
@@ -188,6 +200,99 @@ ROUTERS: dict[str, type[nn.Module]] = {RepresentativeRouter.kind: Representative
                                        PrototypeRouter.kind: PrototypeRouter}
 
 
+def aligned_width(width: int) -> int:
+    """Stacked expert widths padded so every row stride is a multiple of 16 bytes in 2-byte dtypes (what
+    grouped_mm needs), to a multiple of 64 when that adds at most 1/8 of the width."""
+    by64 = -(-width // 64) * 64
+    return by64 if by64 - width <= width / 8 else -(-max(width, 1) // 8) * 8
+
+
+def packed_widths(expert_widths: list[int], shared_widths: list[int]) -> tuple[int, int]:
+    """(W, S) for all routed layers of one model: every routed expert is zero-padded to W, the shared
+    part to S, a multiple of W (0: no shared part). The standard exports are sized by the same two
+    numbers (glm4_moe's shared experts are n x W wide), so native and exported layers compute alike."""
+    width = aligned_width(max(expert_widths, default=1))
+    return width, -(-max(shared_widths, default=0) // width) * width
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """``x`` (rows sorted by expert; expert e's rows end at ``offsets[e]``) times ``weight[e].T``
+    (weight: (experts, out, in)) -> (rows, out): torch's grouped_mm, as transformers' experts run it,
+    or one matmul per expert where grouped_mm has no kernel (float64; older torch or GPUs)."""
+    grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped is not None and x.dtype in GROUPED_MM_DTYPES:
+        try:
+            return grouped(x, weight.transpose(-2, -1), offs=offsets)
+        except (RuntimeError, NotImplementedError):  # e.g. a GPU without a grouped_mm kernel
+            pass
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end], weight[e].T, out=out[start:end])
+        start = end
+    return out
+
+
+def _padded_rows(weight: Tensor, width: int) -> Tensor:
+    return F.pad(weight, (0, 0, 0, width - weight.shape[0])) if weight.dim() == 2 else \
+        F.pad(weight, (0, width - weight.shape[0]))
+
+
+class PackedExperts:
+    """A layer's MLP weights for inference, laid out as transformers 5 holds MoE experts (see the module
+    docstring): ``first`` (E, 2W, d), each expert's gate rows then its up rows (two-layer MLPs: (E, W, d),
+    up rows), ``first_bias`` likewise or None, ``down`` (E, d, W) times the router's ``expert_scale``,
+    all zero-padded to W; ``shared``: the shared part's (gate, up, gate bias, up bias, down) zero-padded
+    to S (gate and biases may be None), or None."""
+
+    def __init__(self, layer: "MoeMLP", widths: tuple[int, int]) -> None:
+        width, shared_width = widths
+        neurons = [e.neurons for e in layer.experts]
+        first = neurons[0]
+        self.act, self.gated = first.act, first.gated
+
+        def stacked_first(part: str) -> Tensor:  # part: "weight" or "bias"
+            rows = [[getattr(n.gate, part), getattr(n.up, part)] if n.gated else [getattr(n.up, part)]
+                    for n in neurons]
+            return torch.stack([torch.cat([_padded_rows(t, width) for t in pair]) for pair in rows])
+
+        with torch.no_grad():
+            self.first = stacked_first("weight")
+            self.first_bias = None if first.up.bias is None else stacked_first("bias")
+            scale = float(getattr(layer.router, "expert_scale", 1.0))
+            downs = [e.down.weight * scale if scale != 1.0 else e.down.weight for e in layer.experts]
+            self.down = torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs])
+            self.shared = None
+            if layer.shared is not None:
+                n, pad = layer.shared.neurons, lambda t: None if t is None else _padded_rows(t, shared_width)
+                self.shared = (None if n.gate is None else pad(n.gate.weight), pad(n.up.weight),
+                               None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
+                               F.pad(layer.shared.down.weight, (0, shared_width - layer.shared.width)))
+
+    def shared_output(self, x: Tensor) -> Tensor:
+        gate, up, gate_bias, up_bias, down = self.shared
+        h = F.linear(x, up, up_bias)
+        h = self.act(F.linear(x, gate, gate_bias)) * h if gate is not None else self.act(h)
+        return F.linear(h, down)
+
+    def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:
+        """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order."""
+        offsets = torch.cumsum(dispatch.counts, 0, dtype=torch.int32)
+        h = grouped_linear(x[dispatch.token], self.first, offsets)
+        if self.first_bias is not None:
+            h = h + self.first_bias[dispatch.expert]
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return grouped_linear(h, self.down, offsets) * dispatch.weight[:, None]
+
+
 class MoeMLP(nn.Module):
     """Drop-in replacement of a dense MLP: ``shared(x) + sum_e g_e(x) * expert_e(x) + down_bias``.
 
@@ -214,6 +319,9 @@ class MoeMLP(nn.Module):
         # Which dense neurons each expert holds, when experts overlap (ToMoE): enables ``pseudo_moe``.
         self.expert_neurons = expert_neurons
         self.pseudo_moe = False
+        # (W, S) of ``packed_widths`` over the whole model (``set_packed_widths``); None: this layer's own.
+        self.packed_widths: tuple[int, int] | None = None
+        self._packed: tuple[tuple, PackedExperts] | None = None
 
     def reset_stats(self) -> None:
         self.stats_tokens = 0
@@ -222,25 +330,70 @@ class MoeMLP(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
-        out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        if self.pseudo_moe:
-            out = out + self._pseudo_moe(x)
-        elif self.router is not None:
-            dispatch = self.router(x)
-            start = 0
-            for e, n in enumerate(dispatch.counts.tolist()):  # only routed experts run, on their tokens
-                if n:
-                    rows = dispatch.token[start:start + n]
-                    y = self.experts[e](x.index_select(0, rows)) * dispatch.weight[start:start + n, None]
-                    out = out.index_add(0, rows, y)
-                    start += n
-            if self.track_stats:
-                self.stats_expert_tokens += dispatch.counts.cpu()
+        if self.router is not None and not self.pseudo_moe and not torch.is_grad_enabled():
+            out = self._packed_forward(x)
+        else:
+            self._packed = None  # gradients on: the weights are about to change, so the copy goes
+            out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+            if self.pseudo_moe:
+                out = out + self._pseudo_moe(x)
+            elif self.router is not None:
+                out = self._per_expert_forward(x, out)
         if self.track_stats:
             self.stats_tokens += x.shape[0]
         if self.down_bias is not None:
             out = out + self.down_bias
         return out.reshape(shape)
+
+    def _track(self, dispatch: Dispatch) -> None:
+        if self.track_stats:
+            self.stats_expert_tokens += dispatch.counts.cpu()
+
+    def _per_expert_forward(self, x: Tensor, out: Tensor) -> Tensor:
+        """Training path: each routed expert's own modules on exactly its tokens, added to ``out``."""
+        dispatch = self.router(x)
+        self._track(dispatch)
+        scale = getattr(self.router, "expert_scale", 1.0)
+        weight = dispatch.weight * scale if scale != 1.0 else dispatch.weight
+        start = 0
+        for e, n in enumerate(dispatch.counts.tolist()):  # only routed experts run, on their tokens
+            if n:
+                rows = dispatch.token[start:start + n]
+                y = self.experts[e](x.index_select(0, rows)) * weight[start:start + n, None]
+                out = out.index_add(0, rows, y)
+                start += n
+        return out
+
+    def _packed_forward(self, x: Tensor) -> Tensor:
+        """Inference path: the packed experts (see the module docstring), summed like transformers' MoE
+        blocks: per token over its top-k slots in order, then plus the shared part."""
+        packed = self._current_pack()
+        dispatch = self.router(x)
+        self._track(dispatch)
+        shared = packed.shared_output(x) if packed.shared is not None else None
+        if dispatch.token.numel() == 0:
+            return shared if shared is not None else torch.zeros_like(x)
+        y = packed.routed_output(x, dispatch)
+        if dispatch.slot is None:  # a token-dependent number of experts: add in dispatch order
+            return (shared if shared is not None else torch.zeros_like(x)).index_add(0, dispatch.token, y)
+        routed = torch.empty_like(y)
+        routed[dispatch.slot] = y
+        if dispatch.top_k > 1:
+            routed = routed.view(x.shape[0], dispatch.top_k, -1).sum(dim=1)
+        return routed if shared is None else routed + shared
+
+    def _current_pack(self) -> PackedExperts:
+        """The packed copy of the current weights, rebuilt when a weight was changed in place (its
+        version counter moved) or replaced (its storage moved), or the widths changed."""
+        widths = self.packed_widths or packed_widths(
+            [e.width for e in self.experts], [] if self.shared is None else [self.shared.width])
+        params = [*self.experts.parameters(), *(() if self.shared is None else self.shared.parameters())]
+        key = (widths, getattr(self.router, "expert_scale", 1.0),
+               tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = None  # free the stale copy before building the new one
+            self._packed = (key, PackedExperts(self, widths))
+        return self._packed[1]
 
     def _pseudo_moe(self, x: Tensor) -> Tensor:
         """ToMoE's pseudo-MoE (Appendix B.3, Eq. 17): the union of the experts' neurons as one dense MLP,
@@ -321,6 +474,16 @@ def install_moe_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> N
         setattr(model.get_submodule(parent_path), name, build_moe_mlp(spec))
 
 
+def set_packed_widths(model: nn.Module) -> None:
+    """Give every routed MoE layer of ``model`` the model-wide ``packed_widths`` (on load and after a
+    conversion), the widths a standard export of the model stores."""
+    layers = [m for m in model.modules() if isinstance(m, MoeMLP) and m.router is not None]
+    widths = packed_widths([e.width for layer in layers for e in layer.experts],
+                           [layer.shared.width for layer in layers if layer.shared is not None])
+    for layer in layers:
+        layer.packed_widths = widths
+
+
 def moe_layer_specs(model: nn.Module) -> dict[str, dict[str, Any]]:
     """{dotted path: spec} of every MoE layer in ``model`` (what ``install_moe_layers`` rebuilds)."""
     return {name: module.spec() for name, module in model.named_modules() if isinstance(module, MoeMLP)}
@@ -334,6 +497,7 @@ def moe_causal_lm_class(base_cls: type, config_cls: type | None = None, *install
     def __init__(self, config) -> None:  # noqa: N807
         base_cls.__init__(self, config)
         install_moe_layers(self, config.moeify["layers"])
+        set_packed_widths(self)
         for install in installers:
             install(self, config.moeify)
 
@@ -442,7 +606,8 @@ class LinearTopKRouter(nn.Module):
 
 class SoftmaxTopKRouter(LinearTopKRouter):
     """Dense2MoE's router (§2.1): p = softmax(x W_g), W_g in R^{d x E} (``proj.weight``, (E, d)); the
-    ``top_k`` most probable experts run, each weighted by p_i * E / k. The paper's gate is p_i; the
+    ``top_k`` most probable experts run, each weighted by p_i * E / k (the layer applies ``expert_scale``
+    E / k to the experts' outputs, the dispatch carries p_i). The paper's gate is p_i; the
     constant E / k makes the weights of an untrained router (W_g ~ 0, p uniform) sum to 1, so the layer
     starts at the scale of one dense MLP (identical copies then reproduce it exactly, as in sparse
     upcycling) instead of at 1/E of it under top-1. A constant factor can be read as part of the
@@ -451,10 +616,14 @@ class SoftmaxTopKRouter(LinearTopKRouter):
 
     kind = "softmax_topk"
 
+    @property
+    def expert_scale(self) -> float:
+        """E / k, applied by the layer to the experts' outputs (the dispatch weights are p_i alone)."""
+        return self.num_experts / self.top_k
+
     def forward(self, x: Tensor) -> Dispatch:
         probs = torch.softmax(self.proj(x).float(), dim=-1)  # p: (tokens, experts)
         weight, chosen = torch.topk(probs, self.top_k, dim=-1)  # (tokens, k)
-        weight = weight * (self.num_experts / self.top_k)
         return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)
 
 

@@ -1,0 +1,98 @@
+"""What the standard-format export changes in float32, and what its expert layout costs on this machine.
+
+A MoRE conversion (shared backbone, unequal petals: the case where the layouts differ most) of a
+LLaMA-shaped random model is exported to qwen2_moe and glm4_moe in memory, then, in the same run:
+
+* ``max_abs_dlogits``: float32 logits of the export against the native model, on one batch;
+* ``max_abs_dlogits_export_mlps_in_native``: the same after putting the export's own MLP blocks into
+  the native model in place of its MoE layers. Zero means every other piece (attention, norms,
+  embeddings, head) is bit-identical and the whole float32 gap is the MoE layers' kernel layout (the
+  native runtime runs each expert at its own width with separate gate/up matmuls; transformers runs
+  them zero-padded to one width with one fused gate/up matmul, through grouped_mm);
+* prefill and decode tokens/s of the dense model, the native model and each export: the price (or
+  gain) of computing the native model in the export's layout, which is what a bit-identical native
+  runtime would have to do.
+
+    python benchmarks/bench_export_layout.py [--layers 8] [--batch 8] [--seq 512] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from moeify.api import load_model
+from moeify.arch import DecoderAdapter
+from moeify.calibration.data import EMBEDDED_CALIB, read_text
+from moeify.evaluation.speed import decode_tokens_per_s, forward_tokens_per_s
+from moeify.export.hf_export import EXPORTERS
+from moeify.methods import ConversionContext
+from moeify.methods.more import MoreConfig, convert
+from moeify.moe.accounting import moe_layers
+
+FORMATS = ("qwen2_moe", "glm4_moe")
+
+
+def with_export_mlps(native: torch.nn.Module, export: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``native`` whose MLP slots hold ``export``'s MLP blocks (same layer indices)."""
+    hybrid = copy.deepcopy(native)
+    adapter = DecoderAdapter(hybrid)
+    for i in range(adapter.num_layers):
+        parent, _, name = adapter.mlp_path(i).rpartition(".")
+        setattr(hybrid.get_submodule(parent), name, export.model.layers[i].mlp)
+    return hybrid
+
+
+@torch.no_grad()
+def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module, ids: torch.Tensor) -> float:
+    return float((a(ids).logits - b(ids).logits).abs().max())
+
+
+def speeds(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, float]:
+    return {"prefill_tokens_per_s": round(forward_tokens_per_s(model, args.batch, args.seq, repeats=args.repeats,
+                                                               warmup=1), 1),
+            "decode_tokens_per_s": round(decode_tokens_per_s(model, 1, 32, args.new_tokens,
+                                                             repeats=args.repeats), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=args.layers,
+                         num_attention_heads=16, num_key_value_heads=16, vocab_size=512,
+                         max_position_embeddings=2048)
+    dense = LlamaForCausalLM(config).eval()
+    _, tokenizer = load_model(None)
+    native = copy.deepcopy(dense)
+    ctx = ConversionContext(native, tokenizer, read_text(EMBEDDED_CALIB), 0, torch.device("cpu"), progress=False)
+    convert(ctx, MoreConfig(calib_samples=8, seq_len=512))
+    native = ctx.model.eval()
+    petals = [[e.width for e in layer.experts] for layer in moe_layers(native)]
+    ids = torch.randint(0, config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
+    record = {"bench": "export_layout", "shape": f"llama h1024 i2816 L{args.layers} vocab512", "method": "more",
+              "petal_widths": petals, "threads": torch.get_num_threads(),
+              "dense": speeds(dense, args), "native": speeds(native, args)}
+    for fmt in FORMATS:
+        start = time.perf_counter()
+        export = EXPORTERS[fmt].build(native).model.eval()
+        record[fmt] = {"build_s": round(time.perf_counter() - start, 1),
+                       "max_abs_dlogits": max_abs_diff(export, native, ids),
+                       "max_abs_dlogits_export_mlps_in_native": max_abs_diff(export, with_export_mlps(native, export),
+                                                                             ids),
+                       **speeds(export, args)}
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
