@@ -70,8 +70,9 @@ def test_threshold_router_runs_each_token_on_its_passing_experts_only():
     calls = [0] * 4
     for e, expert in enumerate(layer.experts):
         expert.register_forward_hook(lambda m, i, o, e=e: calls.__setitem__(e, calls[e] + i[0].shape[0]))
-    with torch.no_grad():
+    with torch.no_grad():  # the packed inference path
         torch.testing.assert_close(layer(x), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(x), reference, atol=1e-5, rtol=1e-5)  # gradients on: each expert's modules
     assert calls == active.sum(0).tolist()  # real sparse compute: each expert saw its tokens only
 
 

@@ -172,3 +172,24 @@ def test_packed_widths_are_aligned_and_shared_a_multiple_of_the_expert_width():
     packed = layer._packed[1]
     assert packed.first.shape == (3, 2 * 16, 16) and packed.down.shape == (3, 16, 16)  # widths 10 -> 16
     assert packed.shared[1].shape == (16, 16)  # 7 -> a multiple of 16
+
+
+def test_packed_path_multiplies_only_the_routed_rows(monkeypatch):
+    """Real sparsity at inference too: each grouped matmul gets exactly the (token, expert) pairs the
+    router chose, grouped by expert, never the whole batch per expert."""
+    from moeify.runtime import moe
+
+    layer = layer_for(random_mlp(), shared=6, experts=4, top_k=2)
+    x = torch.randn(50, 16, generator=torch.Generator().manual_seed(8))
+    seen = []
+    real = moe.grouped_linear
+
+    def recording(rows, weight, offsets):
+        seen.append((rows.shape[0], torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()))
+        return real(rows, weight, offsets)
+
+    monkeypatch.setattr(moe, "grouped_linear", recording)
+    with torch.no_grad():
+        layer(x)
+    counts = layer.router(x).counts.tolist()
+    assert seen == [(100, counts), (100, counts)]  # up/gate, then down: 50 tokens x top-2

@@ -6,7 +6,9 @@ A format says why it cannot represent a model (``explain``), builds transformers
 norms and embeddings by name, and lets ``save_pretrained`` write the checkpoint layout engines read.
 
 How each format represents a conversion exactly (routing must be linear and, except qwen2_moe's
-softmax case, unit-weight top-1; all expert widths are zero-padded to one aligned width):
+softmax case, unit-weight top-1; every expert is zero-padded to one aligned width W and the shared part
+to a multiple of W: ``runtime.moe.packed_widths``, the widths the native runtime computes with, so a
+block that holds a layer as it is computes the native layer's float32 sums in the same order):
 
 * ``glm4_moe``: sigmoid router with a selection-only bias; with top-1, ``norm_topk_prob`` and
   ``routed_scaling_factor = 1`` the chosen expert weighs s / s = 1. The router is scaled so |scores|
