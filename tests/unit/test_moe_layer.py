@@ -160,18 +160,18 @@ def test_packed_copy_follows_the_weights():
     assert float(layer.shared(x).detach().abs().max()) == 0.0
 
 
-def test_packed_widths_are_aligned_and_shared_a_multiple_of_the_expert_width():
+def test_packed_widths_are_multiples_of_8():
     from moeify.runtime.moe import aligned_width, packed_widths
 
-    assert aligned_width(29) == 32 and aligned_width(300) == 320 and aligned_width(201) == 208
-    assert packed_widths([29, 21, 9], [93, 90]) == (32, 96)
+    assert aligned_width(29) == 32 and aligned_width(352) == 352 and aligned_width(201) == 208
+    assert packed_widths([29, 21, 9], [93, 90]) == (32, 96) and packed_widths([29], [100]) == (32, 104)
     assert packed_widths([512, 512], []) == (512, 0)
     layer = layer_for(random_mlp(d_h=37), shared=7, experts=3, top_k=1)
     with torch.no_grad():
         layer(torch.randn(4, 16))
     packed = layer._packed[1]
     assert packed.first.shape == (3, 2 * 16, 16) and packed.down.shape == (3, 16, 16)  # widths 10 -> 16
-    assert packed.shared[1].shape == (16, 16)  # 7 -> a multiple of 16
+    assert packed.shared[1].shape == (8, 16)  # 7 -> 8
 
 
 def test_packed_path_multiplies_only_the_routed_rows(monkeypatch):

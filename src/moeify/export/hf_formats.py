@@ -7,8 +7,8 @@ norms and embeddings by name, and lets ``save_pretrained`` write the checkpoint 
 
 How each format represents a conversion exactly (routing must be linear and, except qwen2_moe's
 softmax case, unit-weight top-1; every expert is zero-padded to one aligned width W and the shared part
-to a multiple of W: ``runtime.moe.packed_widths``, the widths the native runtime computes with, so a
-block that holds a layer as it is computes the native layer's float32 sums in the same order):
+to an aligned S: ``runtime.moe.packed_widths``, the widths the native runtime computes with, so a block
+that holds a layer at those widths computes the native layer's float32 sums in the same order):
 
 * ``glm4_moe``: sigmoid router with a selection-only bias; with top-1, ``norm_topk_prob`` and
   ``routed_scaling_factor = 1`` the chosen expert weighs s / s = 1. The router is scaled so |scores|
@@ -82,9 +82,9 @@ class TargetFormat(Protocol):
     def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]: ...
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
-        """Layers whose MLP the format holds in another arrangement than moeify's runtime computes it
-        (a shared part or a dense MLP folded into the experts): the same function, other float32 sums.
-        Every other layer's block computes the native layer's float32 sums in the same order."""
+        """Layers whose MLP the format holds in another arrangement or width than moeify's runtime computes
+        it (a shared part or a dense MLP folded into the experts, a wider shared part): the same function,
+        other float32 sums. Every other layer's block computes the native layer's sums in the same order."""
         ...
 
 
@@ -150,7 +150,7 @@ class Glm4Moe:
         width, shared = packed_widths([e.width for p in moe for e in p.experts],
                                       [p.shared.width for p in moe if p.routed])
         dense_after = _max([p.shared.width for p in moe if not p.routed])
-        n_shared = max(1, shared // width, math.ceil((dense_after - width) / width))
+        n_shared = max(1, math.ceil(shared / width), math.ceil((dense_after - width) / width))
         rope = {**source.base_fields()["rope_parameters"], "partial_rotary_factor": source.rotary_fraction}
         dense_width = _max([p.shared.width for p in parts[:k]], source.config.intermediate_size)
         return Glm4MoeConfig(**{**source.base_fields(), "rope_parameters": rope, "tie_word_embeddings": False},
@@ -178,7 +178,12 @@ class Glm4Moe:
         return out
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
-        return [p.index for p in parts if p.index >= config.first_k_dense_replace and not p.routed]
+        """Dense layers after the leading ones, and shared parts when n x W is wider than the runtime's S."""
+        routed = [p for p in parts if p.routed]
+        _, shared = packed_widths([e.width for p in routed for e in p.experts], [p.shared.width for p in routed])
+        wider = config.n_shared_experts * config.moe_intermediate_size != shared
+        return [p.index for p in parts
+                if p.index >= config.first_k_dense_replace and (not p.routed or (wider and p.shared.width))]
 
 
 class Qwen2Moe:

@@ -16,7 +16,7 @@ Two paths compute the same function. While gradients are on (training), each exp
 ``nn.Linear`` modules, run one after the other. At inference the layer runs a packed copy of its experts
 (``PackedExperts``), laid out the way transformers 5 and serving engines hold MoE experts: gate and up
 rows of all experts stacked in one (E, 2W, d) tensor, zero-padded to one aligned width W, one grouped
-matmul per projection over the tokens sorted by expert, the shared part zero-padded to a multiple of W.
+matmul per projection over the tokens sorted by expert, the shared part zero-padded to an aligned S.
 Zero padding is exact; what it buys is that the float32 sums run through the same kernels, in the same
 order, as in a ``moeify export`` of the model, so the exported model reproduces the native logits
 bit for bit (and the stacked experts are as fast as the per-expert loop or faster; see
@@ -201,18 +201,17 @@ ROUTERS: dict[str, type[nn.Module]] = {RepresentativeRouter.kind: Representative
 
 
 def aligned_width(width: int) -> int:
-    """Stacked expert widths padded so every row stride is a multiple of 16 bytes in 2-byte dtypes (what
-    grouped_mm needs), to a multiple of 64 when that adds at most 1/8 of the width."""
-    by64 = -(-width // 64) * 64
-    return by64 if by64 - width <= width / 8 else -(-max(width, 1) // 8) * 8
+    """A width rounded up to a multiple of 8: rows of 16 bytes in 2-byte dtypes, what grouped_mm needs
+    (and every tensor-parallel split of 2, 4 or 8 ways divides)."""
+    return -(-max(width, 1) // 8) * 8
 
 
 def packed_widths(expert_widths: list[int], shared_widths: list[int]) -> tuple[int, int]:
     """(W, S) for all routed layers of one model: every routed expert is zero-padded to W, the shared
-    part to S, a multiple of W (0: no shared part). The standard exports are sized by the same two
-    numbers (glm4_moe's shared experts are n x W wide), so native and exported layers compute alike."""
-    width = aligned_width(max(expert_widths, default=1))
-    return width, -(-max(shared_widths, default=0) // width) * width
+    part to S (0: no shared part). The standard exports are sized by the same two numbers, so native
+    and exported layers compute alike."""
+    return aligned_width(max(expert_widths, default=1)), \
+        aligned_width(max(shared_widths)) if max(shared_widths, default=0) else 0
 
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -330,8 +329,11 @@ class MoeMLP(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
+        packed = None
         if self.router is not None and not self.pseudo_moe and not torch.is_grad_enabled():
-            out = self._packed_forward(x)
+            packed = self._current_pack()
+        if packed is not None:
+            out = self._packed_forward(x, packed)
         else:
             self._packed = None  # gradients on: the weights are about to change, so the copy goes
             out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
@@ -364,10 +366,9 @@ class MoeMLP(nn.Module):
                 start += n
         return out
 
-    def _packed_forward(self, x: Tensor) -> Tensor:
+    def _packed_forward(self, x: Tensor, packed: PackedExperts) -> Tensor:
         """Inference path: the packed experts (see the module docstring), summed like transformers' MoE
         blocks: per token over its top-k slots in order, then plus the shared part."""
-        packed = self._current_pack()
         dispatch = self.router(x)
         self._track(dispatch)
         shared = packed.shared_output(x) if packed.shared is not None else None
@@ -382,14 +383,21 @@ class MoeMLP(nn.Module):
             routed = routed.view(x.shape[0], dispatch.top_k, -1).sum(dim=1)
         return routed if shared is None else routed + shared
 
-    def _current_pack(self) -> PackedExperts:
+    def _current_pack(self) -> PackedExperts | None:
         """The packed copy of the current weights, rebuilt when a weight was changed in place (its
-        version counter moved) or replaced (its storage moved), or the widths changed."""
+        version counter moved) or replaced (its storage moved), or the widths changed. None while a
+        projection is not a plain ``nn.Linear`` (e.g. wrapped by a LoRA adapter): the packed copy would
+        miss what the wrapper adds, so the per-expert path runs."""
+        # Runs on every forward (decode included), so it reads nn.Module's own dicts, not __getattr__.
+        parts = [*self.experts._modules.values(), *(() if self.shared is None else (self.shared,))]
+        linears = [m for part in parts for neurons in (part._modules["neurons"]._modules,)
+                   for m in (neurons.get("gate"), neurons["up"], part._modules["down"]) if m is not None]
+        if any(type(m) is not nn.Linear for m in linears):
+            return None
         widths = self.packed_widths or packed_widths(
             [e.width for e in self.experts], [] if self.shared is None else [self.shared.width])
-        params = [*self.experts.parameters(), *(() if self.shared is None else self.shared.parameters())]
         key = (widths, getattr(self.router, "expert_scale", 1.0),
-               tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params))
+               tuple((t.data_ptr(), t._version) for m in linears for t in m._parameters.values() if t is not None))
         if self._packed is None or self._packed[0] != key:
             self._packed = None  # free the stale copy before building the new one
             self._packed = (key, PackedExperts(self, widths))
