@@ -9,9 +9,9 @@ LLaMA-shaped random model is exported to qwen2_moe and glm4_moe in memory, then,
   embeddings, head) is bit-identical and the whole float32 gap is the MoE layers' kernel layout (the
   native runtime runs each expert at its own width with separate gate/up matmuls; transformers runs
   them zero-padded to one width with one fused gate/up matmul, through grouped_mm);
-* prefill and decode tokens/s of the dense model, the native model and each export: the price (or
-  gain) of computing the native model in the export's layout, which is what a bit-identical native
-  runtime would have to do.
+* prefill and decode tokens/s of the dense model, the native model (its packed inference path), the
+  native model on its per-expert path (each expert's own modules, what training runs) and each export:
+  what computing in the export's layout costs or gains.
 
     python benchmarks/bench_export_layout.py [--layers 8] [--batch 8] [--seq 512] [--repeats 3]
 """
@@ -19,6 +19,7 @@ LLaMA-shaped random model is exported to qwen2_moe and glm4_moe in memory, then,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import time
@@ -34,6 +35,7 @@ from moeify.export.hf_export import EXPORTERS
 from moeify.methods import ConversionContext
 from moeify.methods.more import MoreConfig, convert
 from moeify.moe.accounting import moe_layers
+from moeify.runtime.moe import MoeMLP, set_packed_widths
 
 FORMATS = ("qwen2_moe", "glm4_moe")
 
@@ -51,6 +53,17 @@ def with_export_mlps(native: torch.nn.Module, export: torch.nn.Module) -> torch.
 @torch.no_grad()
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module, ids: torch.Tensor) -> float:
     return float((a(ids).logits - b(ids).logits).abs().max())
+
+
+@contextlib.contextmanager
+def per_expert_path():
+    """MoE layers without their packed copy: the per-expert path runs at inference too."""
+    current_pack = MoeMLP._current_pack
+    MoeMLP._current_pack = lambda self: None
+    try:
+        yield
+    finally:
+        MoeMLP._current_pack = current_pack
 
 
 def speeds(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, float]:
@@ -78,11 +91,14 @@ def main() -> None:
     ctx = ConversionContext(native, tokenizer, read_text(EMBEDDED_CALIB), 0, torch.device("cpu"), progress=False)
     convert(ctx, MoreConfig(calib_samples=8, seq_len=512))
     native = ctx.model.eval()
+    set_packed_widths(native)  # the model-wide widths, as moeify.convert and loading set them
     petals = [[e.width for e in layer.experts] for layer in moe_layers(native)]
     ids = torch.randint(0, config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
     record = {"bench": "export_layout", "shape": f"llama h1024 i2816 L{args.layers} vocab512", "method": "more",
               "petal_widths": petals, "threads": torch.get_num_threads(),
               "dense": speeds(dense, args), "native": speeds(native, args)}
+    with per_expert_path():
+        record["native_per_expert"] = speeds(native, args)
     for fmt in FORMATS:
         start = time.perf_counter()
         export = EXPORTERS[fmt].build(native).model.eval()

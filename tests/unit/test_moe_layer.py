@@ -193,3 +193,24 @@ def test_packed_path_multiplies_only_the_routed_rows(monkeypatch):
         layer(x)
     counts = layer.router(x).counts.tolist()
     assert seen == [(100, counts), (100, counts)]  # up/gate, then down: 50 tokens x top-2
+
+
+def test_an_adapter_wrapped_projection_keeps_the_per_expert_path():
+    """A packed copy holds plain weights only: with a projection wrapped (as peft's LoRA does), the
+    layer runs each expert's modules at inference too, so the adapter's contribution is not lost."""
+
+    class Shifted(torch.nn.Module):  # stands for a LoRA layer: the base projection plus a delta
+        def __init__(self, base: torch.nn.Linear) -> None:
+            super().__init__()
+            self.base = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + 0.25
+
+    layer = layer_for(random_mlp(), shared=6, experts=4, top_k=1)
+    layer.experts[1].down = Shifted(layer.experts[1].down)
+    x = torch.randn(30, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        inference = layer(x)
+    assert layer._packed is None
+    torch.testing.assert_close(inference, layer(x).detach())
