@@ -20,7 +20,7 @@ matmul per projection over the tokens sorted by expert, the shared part zero-pad
 Zero padding is exact; what it buys is that the float32 sums run through the same kernels, in the same
 order, as in a ``moeify export`` of the model, so the exported model reproduces the native logits
 bit for bit. Equal experts run as fast as the per-expert loop; unequal ones pay for their padding
-(MoRE: ~10 %, benchmarks/bench_export_layout.py). The packed copy is rebuilt whenever a weight
+(MoRE: ~8-12 %, benchmarks/bench_export_layout.py). The packed copy is rebuilt whenever a weight
 changes, and dropped by the next forward with gradients on; it holds the layer's weights a second time
 while it exists. A projection wrapped by an adapter (LoRA) keeps the per-expert path.
 """
