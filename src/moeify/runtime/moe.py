@@ -338,7 +338,7 @@ class MoeMLP(nn.Module):
         if packed is not None:
             out = self._packed_forward(x, packed)
         else:
-            self._packed = None  # gradients on: the weights are about to change, so the copy goes
+            self._packed = None  # per-expert path (training, pseudo-MoE, adapters): the copy goes
             out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
             if self.pseudo_moe:
                 out = out + self._pseudo_moe(x)
