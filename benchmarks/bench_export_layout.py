@@ -25,17 +25,15 @@ import json
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from moeify.api import load_model
 from moeify.arch import DecoderAdapter
-from moeify.calibration.data import EMBEDDED_CALIB, read_text
 from moeify.evaluation.speed import decode_tokens_per_s, forward_tokens_per_s
 from moeify.export.hf_export import EXPORTERS
-from moeify.methods import ConversionContext
 from moeify.methods.more import MoreConfig, convert
 from moeify.moe.accounting import moe_layers
 from moeify.runtime.moe import MoeMLP, set_packed_widths
+
+from random_llama import VOCAB, conversion_context, random_llama, shape
 
 FORMATS = ("qwen2_moe", "glm4_moe")
 
@@ -81,20 +79,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=16, vocab_size=512,
-                         max_position_embeddings=2048)
-    dense = LlamaForCausalLM(config).eval()
-    _, tokenizer = load_model(None)
-    native = copy.deepcopy(dense)
-    ctx = ConversionContext(native, tokenizer, read_text(EMBEDDED_CALIB), 0, torch.device("cpu"), progress=False)
+    dense = random_llama(args.layers)
+    ctx = conversion_context(dense)
     convert(ctx, MoreConfig(calib_samples=8, seq_len=512))
     native = ctx.model.eval()
     set_packed_widths(native)  # the model-wide widths, as moeify.convert and loading set them
     petals = [[e.width for e in layer.experts] for layer in moe_layers(native)]
-    ids = torch.randint(0, config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
-    record = {"bench": "export_layout", "shape": f"llama h1024 i2816 L{args.layers} vocab512", "method": "more",
+    ids = torch.randint(0, VOCAB, (2, 256), generator=torch.Generator().manual_seed(1))
+    record = {"bench": "export_layout", "shape": shape(args.layers), "method": "more",
               "petal_widths": petals, "threads": torch.get_num_threads(),
               "dense": speeds(dense, args), "native": speeds(native, args)}
     with per_expert_path():

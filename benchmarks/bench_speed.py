@@ -11,19 +11,16 @@ routed experts, top-1: 25 % of the MLP active). Prints one JSON line with the me
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from moeify.api import load_model
-from moeify.calibration.data import EMBEDDED_CALIB, read_text
 from moeify.evaluation.speed import forward_tokens_per_s
-from moeify.methods import ConversionContext
 from moeify.methods.cmoe import CmoeConfig, convert
 from moeify.moe.accounting import activated_parameters
+
+from random_llama import HIDDEN, INTERMEDIATE, VOCAB, conversion_context, random_llama, shape
 
 
 def flops_per_token(hidden: int, inter: int, layers: int, seq: int, vocab: int, mlp_ratio: float) -> float:
@@ -40,23 +37,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--spec", default="S1A1E8")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=16, vocab_size=512,
-                         max_position_embeddings=2048)
-    dense = LlamaForCausalLM(config).eval()
-    _, tokenizer = load_model(None)
-    moe = copy.deepcopy(dense)
-    ctx = ConversionContext(moe, tokenizer, read_text(EMBEDDED_CALIB), 0, torch.device("cpu"), progress=False)
+    dense = random_llama(args.layers)
+    ctx = conversion_context(dense)
     start = time.perf_counter()
     convert(ctx, CmoeConfig(spec=args.spec, calib_samples=8, seq_len=512))
     convert_s = time.perf_counter() - start
     dense_tps = forward_tokens_per_s(dense, args.batch, args.seq, repeats=args.repeats, warmup=1)
     moe_tps = forward_tokens_per_s(ctx.model, args.batch, args.seq, repeats=args.repeats, warmup=1)
     ratio = activated_parameters(ctx.model, measured=False).mlp_ratio
-    ideal = flops_per_token(1024, 2816, args.layers, args.seq, 512, 1.0) / \
-        flops_per_token(1024, 2816, args.layers, args.seq, 512, ratio)
-    print(json.dumps({"bench": "forward_speed", "shape": f"llama h1024 i2816 L{args.layers} vocab512",
+    ideal = flops_per_token(HIDDEN, INTERMEDIATE, args.layers, args.seq, VOCAB, 1.0) / \
+        flops_per_token(HIDDEN, INTERMEDIATE, args.layers, args.seq, VOCAB, ratio)
+    print(json.dumps({"bench": "forward_speed", "shape": shape(args.layers),
                       "batch": args.batch, "seq": args.seq, "spec": args.spec, "mlp_ratio": round(ratio, 4),
                       "dense_tokens_per_s": round(dense_tps, 1), "moe_tokens_per_s": round(moe_tps, 1),
                       "speedup": round(moe_tps / dense_tps, 3), "ideal_speedup_flops": round(ideal, 3),

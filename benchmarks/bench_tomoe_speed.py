@@ -15,32 +15,26 @@ import copy
 import json
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from moeify.api import load_model
 from moeify.arch import DecoderAdapter
-from moeify.calibration.data import EMBEDDED_CALIB, read_text
 from moeify.evaluation.speed import forward_tokens_per_s
-from moeify.methods import ConversionContext
 from moeify.methods.tomoe import TomoeConfig, convert
 from moeify.moe.accounting import activated_parameters
 from moeify.moe.head_dim import pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter
 
+from random_llama import HIDDEN, conversion_context, random_llama
+
 
 def main() -> None:
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                         num_key_value_heads=16, vocab_size=512, max_position_embeddings=2048)
-    dense = LlamaForCausalLM(config).eval()
-    _, tokenizer = load_model(None)
-    mlp = copy.deepcopy(dense)
-    ctx = ConversionContext(mlp, tokenizer, read_text(EMBEDDED_CALIB), 0, torch.device("cpu"), progress=False)
+    dense = random_llama(4)
+    ctx = conversion_context(dense)
     convert(ctx, TomoeConfig(attention="off", active_ratio=0.6, steps=2, batch_size=1, seq_len=64, calib_samples=1))
+    mlp = ctx.model
     attention = copy.deepcopy(dense)
     adapter = DecoderAdapter(attention)
     for i in range(adapter.num_layers):
-        router = HeadDimRouter(config.hidden_size, 64, 128, top_k=32)
+        router = HeadDimRouter(HIDDEN, 64, 128, top_k=32)
         adapter.replace_attention_(i, pruned_attention(adapter.attention_module(i), rope_pairs(torch.arange(16), 64),
                                                        router=router))
     with torch.no_grad():

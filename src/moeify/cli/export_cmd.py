@@ -45,7 +45,7 @@ def _float32_sums(rearranged: list[int]) -> str:
     if not rearranged:
         return "as the native model's (its MoE layers run in this layout)"
     return (f"rearranged in layers {', '.join(map(str, rearranged))} (a shared part or dense MLP folded into the "
-            "experts: same function, other float32 rounding; glm4_moe/qwen2_moe keep them)")
+            "experts, or a wider shared part: same function, other float32 rounding)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -321,8 +321,8 @@ class MoeMLP(nn.Module):
         # Which dense neurons each expert holds, when experts overlap (ToMoE): enables ``pseudo_moe``.
         self.expert_neurons = expert_neurons
         self.pseudo_moe = False
-        # (W, S) of ``packed_widths`` over the whole model (``set_packed_widths``); None: this layer's own.
-        self.packed_widths: tuple[int, int] | None = None
+        # (W, S) of ``packed_widths``: this layer's own until ``set_packed_widths`` gives the model's.
+        self.packed_widths = packed_widths([e.width for e in experts], [] if shared is None else [shared.width])
         self._packed: tuple[tuple, PackedExperts] | None = None
 
     def reset_stats(self) -> None:
@@ -397,8 +397,7 @@ class MoeMLP(nn.Module):
                    for m in (neurons.get("gate"), neurons["up"], part._modules["down"]) if m is not None]
         if any(type(m) is not nn.Linear for m in linears):
             return None
-        widths = self.packed_widths or packed_widths(
-            [e.width for e in self.experts], [] if self.shared is None else [self.shared.width])
+        widths = self.packed_widths
         key = (widths, getattr(self.router, "expert_scale", 1.0),
                tuple((t.data_ptr(), t._version) for m in linears for t in m._parameters.values() if t is not None))
         if self._packed is None or self._packed[0] != key:
