@@ -17,7 +17,8 @@ import time
 import torch
 
 from moeify.arch.mlp import MlpWeights
-from moeify.methods.cmoe import CmoeConfig, atopk_markers, build_layer, carve
+from moeify.methods.cmoe import CmoeConfig
+from moeify.methods.cmoe.convert import atopk_markers, build_layer, carve
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench_dsmoe import held_out_file  # the same held-out slice (this folder is on sys.path when run)
 
 import moeify
-from moeify.methods.options import parse_assignments
+from moeify.options import parse_assignments
 
 
 def run(options: dict[str, str], held_out: Path, seed: int) -> dict:

@@ -26,8 +26,8 @@ import numpy as np
 
 import moeify
 from moeify.calibration.data import read_text
-from moeify.methods.dsmoe_analysis import tau_sweep
-from moeify.methods.options import parse_assignments
+from moeify.methods.dsmoe.analysis import tau_sweep
+from moeify.options import parse_assignments
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets" / "data" / "tinystories"
 EMBEDDED_PARAGRAPHS = 567

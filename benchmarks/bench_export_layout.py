@@ -25,15 +25,15 @@ import json
 import time
 
 import torch
+from random_llama import VOCAB, conversion_context, random_llama, shape
 
 from moeify.arch import DecoderAdapter
 from moeify.evaluation.speed import decode_tokens_per_s, forward_tokens_per_s
 from moeify.export.hf_export import EXPORTERS
-from moeify.methods.more import MoreConfig, convert
+from moeify.methods.more import MoreConfig
+from moeify.methods.more.convert import convert
 from moeify.moe.accounting import moe_layers
 from moeify.runtime.moe import MoeMLP, set_packed_widths
-
-from random_llama import VOCAB, conversion_context, random_llama, shape
 
 FORMATS = ("qwen2_moe", "glm4_moe")
 

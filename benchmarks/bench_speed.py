@@ -15,12 +15,12 @@ import json
 import time
 
 import torch
+from random_llama import HIDDEN, INTERMEDIATE, VOCAB, conversion_context, random_llama, shape
 
 from moeify.evaluation.speed import forward_tokens_per_s
-from moeify.methods.cmoe import CmoeConfig, convert
+from moeify.methods.cmoe import CmoeConfig
+from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import activated_parameters
-
-from random_llama import HIDDEN, INTERMEDIATE, VOCAB, conversion_context, random_llama, shape
 
 
 def flops_per_token(hidden: int, inter: int, layers: int, seq: int, vocab: int, mlp_ratio: float) -> float:

@@ -15,15 +15,15 @@ import copy
 import json
 
 import torch
+from random_llama import HIDDEN, conversion_context, random_llama
 
 from moeify.arch import DecoderAdapter
 from moeify.evaluation.speed import forward_tokens_per_s
-from moeify.methods.tomoe import TomoeConfig, convert
+from moeify.methods.tomoe import TomoeConfig
+from moeify.methods.tomoe.convert import convert
 from moeify.moe.accounting import activated_parameters
 from moeify.moe.head_dim import pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter
-
-from random_llama import HIDDEN, conversion_context, random_llama
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import moeify
 from moeify.calibration.data import read_text
-from moeify.methods.dsmoe_analysis import tau_sweep
+from moeify.methods.dsmoe.analysis import tau_sweep
 
 
 def test_untrained_conversion_with_every_gate_on_is_the_dense_model(held_out):

@@ -6,6 +6,7 @@ import pytest
 
 import moeify
 
+
 def test_tomoe_meets_the_budget_and_beats_static_pruning_at_the_same_activated_parameters(held_out, tmp_path):
     tomoe = moeify.convert(None, "tomoe", {"active_ratio": "0.5"}, eval=held_out, measure_speed=False)  # defaults
     record = tomoe.record

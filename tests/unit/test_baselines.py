@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from moeify.methods import get_method
-from moeify.methods.cmoe import RandomSplitConfig
-from moeify.methods.options import OptionError, build_config
-from moeify.methods.static_prune import StaticPruneConfig, convert
+from moeify.methods.random_split import RandomSplitConfig
+from moeify.methods.static_prune import StaticPruneConfig
+from moeify.methods.static_prune.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
+from moeify.options import OptionError, build_config
 from moeify.runtime.attention import PrunedAttention
 from tests.conftest import clone
 from tests.tiny_models import tiny_model

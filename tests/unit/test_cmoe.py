@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from moeify.arch import DecoderAdapter
-from moeify.methods.cmoe import CmoeConfig, atopk_markers, carve, convert
-from moeify.methods.options import OptionError, build_config
+from moeify.methods.cmoe import CmoeConfig
+from moeify.methods.cmoe.convert import atopk_markers, carve, convert
 from moeify.moe.accounting import moe_layers
+from moeify.options import OptionError, build_config
 from moeify.runtime.moe import MoeMLP
 from tests.conftest import clone
 from tests.tiny_models import FAMILY_NAMES, tiny_model

@@ -11,10 +11,11 @@ import moeify
 from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
-from moeify.methods.dense2moe import Dense2moeConfig, convert
-from moeify.methods.dense2moe_build import Span, expert_sources, fold_mlp_norm, rank_spans, select_span
-from moeify.methods.options import OptionError, build_config
+from moeify.methods.dense2moe import Dense2moeConfig
+from moeify.methods.dense2moe.build import Span, expert_sources, fold_mlp_norm, rank_spans, select_span
+from moeify.methods.dense2moe.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
+from moeify.options import OptionError, build_config
 from moeify.runtime.moe import MoeMLP, SoftmaxTopKRouter
 from tests.conftest import clone
 from tests.tiny_models import FAMILY_NAMES, tiny_model

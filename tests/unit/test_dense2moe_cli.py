@@ -8,9 +8,10 @@ import torch
 import moeify
 from moeify.cli.main import main
 from moeify.evaluation.record import read_record
-from moeify.methods.dense2moe import DENSE2MOE, Dense2moeConfig, convert
-from moeify.methods.options import OptionError, build_config
+from moeify.methods.dense2moe import DENSE2MOE, Dense2moeConfig
+from moeify.methods.dense2moe.convert import convert
 from moeify.moe.accounting import removed_layers
+from moeify.options import OptionError, build_config
 from tests.tiny_models import tiny_model
 
 

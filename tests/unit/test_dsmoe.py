@@ -6,11 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from moeify.methods.dsmoe import DsmoeConfig, contiguous_partition, convert
-from moeify.methods.dsmoe_train import DsmoeTrainingMLP, sparsity_term
-from moeify.methods.options import OptionError, build_config
+from moeify.methods.dsmoe import DsmoeConfig
+from moeify.methods.dsmoe.convert import contiguous_partition, convert
+from moeify.methods.dsmoe.train import DsmoeTrainingMLP, sparsity_term
 from moeify.moe.accounting import moe_layers, nominal_activated_parameters
 from moeify.moe.build import moe_from_partition
+from moeify.options import OptionError, build_config
 from moeify.runtime.moe import MoeMLP, ThresholdRouter
 from tests.conftest import clone
 from tests.killing import kill_in_step

@@ -8,7 +8,8 @@ import torch
 
 from moeify.calibration.data import DataError, TextSource, calibration_batches, read_text, token_stream
 from moeify.evaluation.perplexity import perplexity
-from moeify.methods.cmoe import CmoeConfig, convert
+from moeify.methods.cmoe import CmoeConfig
+from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import activated_parameters, tracking_routing
 from tests.conftest import clone
 from tests.tiny_models import tiny_model

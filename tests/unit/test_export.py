@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM
 
 import moeify
 from moeify.api import ConversionResult
-from moeify.export.io import OutputExistsError, atomic_dir
-from moeify.methods.cmoe import CmoeConfig, convert
+from moeify.files import OutputExistsError, atomic_dir
+from moeify.methods.cmoe import CmoeConfig
+from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import moe_layers
 from tests.remote import logits_without_moeify
 from tests.tiny_models import FAMILY_NAMES, tiny_model

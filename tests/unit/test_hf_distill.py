@@ -11,7 +11,8 @@ import moeify
 from moeify.api import ConversionResult
 from moeify.cli.main import main
 from moeify.export.hf_distill import agreement, fit_linear_router
-from moeify.methods.cmoe import CmoeConfig, convert
+from moeify.methods.cmoe import CmoeConfig
+from moeify.methods.cmoe.convert import convert
 from tests.conftest import clone
 
 

@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 
 import moeify
+from moeify.api import export_folder
 from moeify.calibration.data import EMBEDDED_EVAL, read_text, token_stream
 from moeify.cli.main import main
 from moeify.export.hf_export import EXPORTERS
-from moeify.export.hf_run import export_folder
 from moeify.moe.accounting import moe_layers
 from tests.remote import plain_logits
 

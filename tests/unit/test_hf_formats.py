@@ -13,10 +13,9 @@ from transformers import AutoModelForCausalLM
 from moeify.arch import DecoderAdapter
 from moeify.export import hf_formats, hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
-from moeify.runtime.moe import aligned_width
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition
-from moeify.runtime.moe import Dispatch, PrototypeRouter, ThresholdRouter
+from moeify.runtime.moe import Dispatch, PrototypeRouter, ThresholdRouter, aligned_width
 from tests.tiny_models import tiny_model
 
 FORMATS = tuple(EXPORTERS)

@@ -6,12 +6,13 @@ import torch
 
 from moeify.arch import DecoderAdapter
 from moeify.calibration.observers import CoActivation
-from moeify.methods.more import MoreConfig, convert
-from moeify.methods.more_budget import LayerShape, candidate_layers, solve_budget
-from moeify.methods.options import OptionError, build_config
+from moeify.methods.more import MoreConfig
+from moeify.methods.more.convert import convert
+from moeify.methods.more.layer_budget import LayerShape, candidate_layers, solve_budget
 from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.moe.routing import jsd_to_uniform
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
+from moeify.options import OptionError, build_config
 from tests.conftest import clone
 from tests.tiny_models import FAMILY_NAMES, tiny_model
 

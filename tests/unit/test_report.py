@@ -4,9 +4,11 @@ import json
 
 import pytest
 
+from moeify.api.compare import matched_options
+from moeify.methods import get_method
+from moeify.methods.cmoe.config import spec_for_share
 from moeify.cli.main import main
 from moeify.report.build import markdown_table, pareto_front
-from moeify.report.compare import cmoe_spec, matched_options
 
 
 def test_pareto_front_keeps_the_undominated_points():
@@ -15,9 +17,9 @@ def test_pareto_front_keeps_the_undominated_points():
 
 
 def test_cmoe_spec_for_a_budget():
-    assert cmoe_spec(0.25) == "S1A1E8"
-    assert cmoe_spec(0.5) == "S2A2E8"
-    spec = cmoe_spec(0.314)
+    assert spec_for_share(0.25) == "S1A1E8"
+    assert spec_for_share(0.5) == "S2A2E8"
+    spec = spec_for_share(0.314)
     s, a, e = (int(x) for x in spec[1:].replace("A", " ").replace("E", " ").split())
     assert abs((s + a) / e - 0.314) < 0.01
 
@@ -26,11 +28,11 @@ def test_matched_options_follow_the_budget(stories):
     from moeify.arch import DecoderAdapter
 
     adapter = DecoderAdapter(stories[0])
-    options, how = matched_options("static_prune", 0.5, adapter)
+    options, how = matched_options(get_method("static_prune"), 0.5, adapter)
     assert options == [{"active_ratio": 0.5}]
-    options, _ = matched_options("more", 0.6, adapter)
+    options, _ = matched_options(get_method("more"), 0.6, adapter)
     assert options[0] == {"target_pr": pytest.approx(0.4)} and "layers" in options[1]
-    assert "not matched" in matched_options("dsmoe", 0.5, adapter)[1]
+    assert "not matched" in matched_options(get_method("dsmoe"), 0.5, adapter)[1]
 
 
 @pytest.fixture(scope="module")

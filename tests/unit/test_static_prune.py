@@ -7,10 +7,11 @@ import torch
 import moeify
 from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
-from moeify.methods.options import OptionError
-from moeify.methods.static_prune import StaticPruneConfig, convert
+from moeify.methods.static_prune import StaticPruneConfig
+from moeify.methods.static_prune.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.moe.attention_importance import HeadDimSquares, qk_pair_importance, vo_dim_importance
+from moeify.options import OptionError
 from moeify.runtime.attention import PrunedAttention
 from tests.tiny_models import tiny_model
 

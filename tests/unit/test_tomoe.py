@@ -5,12 +5,12 @@ import torch
 
 import moeify
 from moeify.api import ConversionResult, set_runtime_options
-from moeify.methods.options import OptionError, build_config
-from moeify.methods.tomoe import TomoeConfig, convert
-from moeify.methods.tomoe_convert import budget_threshold, widened_experts
-from moeify.methods.tomoe_modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
-from moeify.methods.tomoe_train import MaskedModel, TomoeModules, f_reg
+from moeify.methods.tomoe import TomoeConfig
+from moeify.methods.tomoe.convert import budget_threshold, convert, widened_experts
+from moeify.methods.tomoe.modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
+from moeify.methods.tomoe.train import MaskedModel, TomoeModules, f_reg
 from moeify.moe.accounting import activated_parameters
+from moeify.options import OptionError, build_config
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import ArgmaxRouter, MoeMLP
 from tests.conftest import clone

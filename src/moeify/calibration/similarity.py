@@ -78,7 +78,7 @@ def layer_similarity(model: PreTrainedModel, batches: Tensor, *, device: torch.d
 
 def similarity_heatmaps(similarity: LayerSimilarity) -> dict[str, bytes]:
     """Fig. 3 of the paper for this model: one PNG per matrix (name -> bytes)."""
-    from moeify.evaluation.plots import heatmap
+    from moeify.plots import heatmap
 
     labels = [str(i) for i in range(len(similarity.layer_output))]
     return {

@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeify.analysis import analyze_layers, save_analysis
-    from moeify.export.io import check_output_dir
+    from moeify.api import analyze_layers, save_analysis
+    from moeify.files import check_output_dir
 
     check_output_dir(args.out, args.overwrite)
     result = analyze_layers(args.model, calib=args.calib, samples=args.samples, seq_len=args.seq_len,

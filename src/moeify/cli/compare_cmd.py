@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "compare", help="run several methods at matched activated parameters and report",
         description="Convert MODEL with each method on the same calibration and evaluation text, matching the "
-                    "activated-parameter ratio (APR) where the method allows it (see moeify.report.compare), "
+                    "activated-parameter ratio (APR) where the method allows it (see moeify.api.compare), "
                     "save each run under --out/<method>/ and write --out/report/.")
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--methods", default=names, help=f"comma-separated (default: {names})")
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeify.methods import get_method
-    from moeify.report.compare import run_comparison
+    from moeify.api import run_comparison
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in methods:

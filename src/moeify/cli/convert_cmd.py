@@ -36,8 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import moeify
-    from moeify.export.io import check_output_dir
-    from moeify.methods.options import parse_assignments
+    from moeify.files import check_output_dir
+    from moeify.options import parse_assignments
 
     options = parse_assignments(args.set)
     check_output_dir(args.out, args.overwrite)

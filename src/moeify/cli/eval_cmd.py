@@ -54,7 +54,7 @@ def _task_rows(tasks: dict[str, dict[str, float]]) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     import moeify
-    from moeify.methods.options import parse_assignments
+    from moeify.options import parse_assignments
 
     options = parse_assignments(args.set)
     if args.tasks:

@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_check(model: Path) -> int:
-    from moeify.export.hf_run import check_formats
+    from moeify.api import check_formats
 
     for support in check_formats(model):
         print(support)
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return _print_check(args.model)
     if args.format is None or args.out is None:
         raise ValueError("--format and --out are required (or --check to see which formats fit)")
-    from moeify.export.hf_run import export_folder
+    from moeify.api import export_folder
 
     record = export_folder(args.model, args.format, args.out, distill_steps=args.distill_router, calib=args.calib,
                            eval=args.eval, seed=args.seed, overwrite=args.overwrite, device=args.device)

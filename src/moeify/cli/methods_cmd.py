@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moeify.methods import METHODS
-from moeify.methods.options import describe
+from moeify.options import describe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

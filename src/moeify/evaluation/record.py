@@ -15,7 +15,7 @@ def library_versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from moeify import __version__
+    from moeify.version import __version__
 
     return {"moeify": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__, "python": platform.python_version()}

@@ -25,7 +25,7 @@ from transformers.initialization import no_init_weights
 from moeify.arch import DecoderAdapter, UnsupportedFamilyError
 from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
-from moeify.export.io import atomic_dir
+from moeify.files import atomic_dir
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import GROUPED_MM_DTYPES, MoeMLP
 

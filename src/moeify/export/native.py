@@ -24,15 +24,13 @@ from transformers import PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from moeify.files import MOEIFY_KEY
 from moeify.runtime import attention as runtime_attention
 from moeify.runtime import moe as runtime_moe
 
-MOEIFY_KEY = "moeify"
-
-
 def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, method: str = "") -> None:
     """Write ``model`` (with its MoE layers) into ``folder`` (which should come from ``atomic_dir``)."""
-    from moeify import __version__
+    from moeify.version import __version__
 
     folder = Path(folder)
     base_type = model.config.model_type

@@ -1,16 +1,19 @@
-"""The registry of conversion methods: every method listed once, with its paper."""
+"""The registry of conversion methods: every method listed once, with its paper. A method is a package
+here (``methods/<name>/``) that owns everything about it; registering it is one line in ``METHODS``."""
 
 from __future__ import annotations
 
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.cmoe import CMOE, RANDOM_SPLIT
+from moeify.methods.cmoe import CMOE
 from moeify.methods.dense2moe import DENSE2MOE
 from moeify.methods.dsmoe import DSMOE
 from moeify.methods.more import MORE
+from moeify.methods.random_split import RANDOM_SPLIT
 from moeify.methods.static_prune import STATIC_PRUNE
 from moeify.methods.tomoe import TOMOE
 
 METHODS: tuple[Method, ...] = (CMOE, MORE, TOMOE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT)  # baselines last
+DEFAULT_METHOD = METHODS[0].name
 
 
 def get_method(name: str) -> Method:
@@ -20,4 +23,4 @@ def get_method(name: str) -> Method:
     raise ValueError(f"unknown method {name!r}; available: {', '.join(m.name for m in METHODS)}")
 
 
-__all__ = ["METHODS", "ConversionContext", "Method", "get_method"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "ConversionContext", "Method", "get_method"]

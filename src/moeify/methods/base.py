@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from moeify.arch import DecoderAdapter
 from moeify.calibration.data import TextSource
+from moeify.runtime.moe import set_packed_widths
 
 
 @dataclass
@@ -35,6 +37,11 @@ class ConversionContext:
         return DecoderAdapter(self.model)
 
 
+BudgetMatcher = Callable[[float, DecoderAdapter], tuple[list[dict[str, Any]], str]]
+RuntimeOption = Callable[[PreTrainedModel, Any], Callable[[], None]]
+ModelAnalysis = Callable[[PreTrainedModel, Tensor, torch.device, bool], tuple[dict[str, Any], dict[str, bytes]]]
+
+
 @dataclass(frozen=True)
 class Method:
     """A registered conversion method: its paper, its typed config and its conversion function.
@@ -42,7 +49,14 @@ class Method:
     ``convert(ctx, config)`` turns ``ctx.model`` into an MoE model in place and returns the
     method-specific part of the record (statistics). ``analyze(ctx, config, eval_sources, seq_len)``,
     if any, runs on the converted model and the held-out evaluation texts after the common evaluation
-    and returns the record's ``details.analysis`` (it may add ``ctx.artifacts``); it never trains."""
+    and returns the record's ``details.analysis`` (it may add ``ctx.artifacts``); it never trains.
+
+    ``match_budget(apr, adapter)``: option sets to try in order so that the conversion lands at the
+    activated-parameter ratio ``apr``, and a line saying how (``moeify compare``); None when the method
+    cannot be matched, ``unmatched`` saying why. ``runtime_options``: options of a converted model that
+    are not router options (name -> setter(model, value) returning the function that undoes it).
+    ``model_analysis(model, batches, device, progress)``: an analysis of a dense model on its own
+    (``moeify analyze``): record entries and files."""
 
     name: str
     paper: str
@@ -50,6 +64,17 @@ class Method:
     config_cls: type
     convert: Callable[[ConversionContext, Any], dict[str, Any]]
     analyze: Callable[[ConversionContext, Any, list[TextSource], int], dict[str, Any]] | None = None
+    match_budget: BudgetMatcher | None = None
+    unmatched: str = "it has no budget option"
+    runtime_options: Mapping[str, RuntimeOption] = field(default_factory=dict)
+    model_analysis: ModelAnalysis | None = None
+
+    def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
+        """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load
+        of the saved folder does (``runtime.moe.set_packed_widths``); returns ``convert``'s details."""
+        details = self.convert(ctx, config)
+        set_packed_widths(ctx.model)
+        return details
 
     def check(self, config: Any, model_config: PreTrainedConfig) -> None:
         """Model-dependent validation (e.g. ``top_k`` against the expert count), before heavy work."""

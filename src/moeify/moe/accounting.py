@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from moeify.arch import DecoderAdapter
-from moeify.export.native import MOEIFY_KEY
+from moeify.files import MOEIFY_KEY
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 
@@ -153,3 +153,17 @@ def tracking_routing(model: nn.Module) -> Iterator[list[MoeMLP]]:
     finally:
         for layer in layers:
             layer.track_stats = False
+
+
+def attention_share(adapter: DecoderAdapter) -> float:
+    """P_attn / (P_attn + P_mlp) of the dense model: the lowest APR a model with dense attention reaches."""
+    attn = sum(adapter.attention_params(i) for i in range(adapter.num_layers))
+    mlp = sum(adapter.dense_mlp_params(i) for i in range(adapter.num_layers))
+    return attn / (attn + mlp)
+
+
+def mlp_share_for_apr(apr: float, adapter: DecoderAdapter) -> float:
+    """The share of every MLP that must stay active for the model to reach activated-parameter ratio
+    ``apr`` with its attention dense: (apr (P_attn + P_mlp) - P_attn) / P_mlp."""
+    floor = attention_share(adapter)
+    return (apr - floor) / (1 - floor)

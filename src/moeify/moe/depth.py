@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from moeify.arch import DecoderAdapter
-from moeify.export.native import MOEIFY_KEY
+from moeify.files import MOEIFY_KEY
 from moeify.moe.accounting import layer_mlp_counts, removed_layers
 
 

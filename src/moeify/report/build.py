@@ -118,7 +118,7 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
 
 def write_report(folders: list[Path], out: Path, overwrite: bool = False) -> Path:
     """Write ``report.md`` and the plots into ``out`` (atomically)."""
-    from moeify.export.io import atomic_dir
+    from moeify.files import atomic_dir
 
     runs = read_runs(folders)
     images = plots(runs)

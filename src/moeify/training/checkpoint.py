@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-from moeify.export.io import atomic_dir
+from moeify.files import atomic_dir
 
 FORMAT_VERSION = 1
 _PREFIX = "step-"

@@ -54,77 +54,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
-
-from transformers import PreTrainedConfig
-
-from moeify.calibration.data import calibration_batches
-from moeify.calibration.similarity import layer_similarity, similarity_heatmaps
-from moeify.methods.base import ConversionContext, Method
-from moeify.methods.dense2moe_build import expert_sources, fuse_layers_, rank_spans, select_span
-from moeify.methods.options import OptionError, option, require_at_most, require_work_dir_for_resume
-
-
-@dataclass(frozen=True)
-class Dense2moeConfig:
-    variant: Literal["lfuc", "prune_upcycle", "prune_only"] = option(
-        "lfuc", "lfuc: Layer-Fusion Upcycling; prune_upcycle / prune_only: Table 5's baselines")
-    prune_layers: int | None = option(1, "k = n*: layers to remove after l* (none: search every span)", low=1)
-    delta: float = option(0.3, "fuse only MLP inputs at cosine distance 1 - s(h^(l*), h^(l*+k)) < delta",
-                          low=0.0, high=2.0, low_open=True)
-    num_copies: int = option(1, "N: copies of layer l*'s MLP among the experts", low=1)
-    copies_per_pruned: int = option(1, "M: copies of each removed layer's MLP among the experts", low=1)
-    top_k: int = option(1, "experts per token (§2.1; the paper uses top-1)", low=1)
-    calib_samples: int = option(8, "calibration windows (of seq_len tokens) for the similarity", low=1)
-    steps: int = option(100, "fine-tuning optimizer steps (0: none)", low=0)
-    lr: float = option(1e-3, "peak learning rate (AdamW, every parameter)", low=0.0, low_open=True)
-    warmup: int = option(10, "linear warm-up steps, then cosine decay to lr / 10 (§3.1)", low=0)
-    seq_len: int | None = option(None, "training and calibration window (default: min(1024, context))", low=2)
-    batch_size: int = option(4, "sequences per optimizer step", low=1)
-    checkpoint_every: int = option(50, "steps between checkpoints in the work folder (0: at the end only)", low=0)
-    resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
-
-    def __post_init__(self) -> None:
-        if self.warmup > self.steps:
-            raise OptionError(f"warmup={self.warmup} must be <= steps={self.steps}")
-        experts = self.num_copies + self.copies_per_pruned * (self.prune_layers or 1)
-        if self.variant != "prune_only" and self.top_k > experts:
-            raise OptionError(f"top_k={self.top_k} must be <= the experts num_copies + copies_per_pruned x "
-                              f"prune_layers = {experts}")
-
-    def check(self, model_config: PreTrainedConfig) -> None:
-        layers = model_config.num_hidden_layers
-        if layers < 2:
-            raise OptionError(f"dense2moe needs at least 2 decoder layers; the model has {layers}")
-        require_at_most("prune_layers", self.prune_layers, layers - 1, "the layers after the first one")
-        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
-
-    def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
-        return self.seq_len or min(1024, model_config.max_position_embeddings)
-
-
-def convert(ctx: ConversionContext, cfg: Dense2moeConfig) -> dict[str, Any]:
-    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
-    seq_len = cfg.effective_seq_len(ctx.model.config)
-    batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
-    similarity = layer_similarity(ctx.model, batches, device=ctx.device, progress=ctx.progress)
-    ctx.artifacts.update(similarity_heatmaps(similarity))
-    span = select_span(similarity.layer_output, similarity.mlp_input, cfg.delta, cfg.prune_layers)
-    sources = expert_sources(span, cfg.variant, cfg.num_copies, cfg.copies_per_pruned)
-    removed = fuse_layers_(ctx.model, span, sources, cfg.top_k, ctx.seed)
-    details: dict[str, Any] = {
-        "calibration": {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": similarity.tokens},
-        "similarity": similarity.as_dict(), "selection": span.as_dict(),
-        "candidates": [s.as_dict() for s in rank_spans(similarity.layer_output, similarity.mlp_input,
-                                                        cfg.prune_layers)],
-        "expert_sources": sources, "removed_layers": removed, "train_seq_len": seq_len}
-    if cfg.steps:
-        from moeify.methods.dense2moe_train import finetune
-
-        details["finetune"] = finetune(ctx, cfg, seq_len)
-    return details
-
+from moeify.methods.base import Method
+from moeify.methods.dense2moe.analysis import similarity_analysis
+from moeify.methods.dense2moe.config import Dense2moeConfig
+from moeify.methods.dense2moe.convert import convert
 
 DENSE2MOE = Method(
     name="dense2moe",
@@ -134,4 +67,8 @@ DENSE2MOE = Method(
             "of the kept layer (softmax top-k), fine-tune",
     config_cls=Dense2moeConfig,
     convert=convert,
+    unmatched="it removes whole decoder layers; its APR follows from the layers it prunes",
+    model_analysis=similarity_analysis,
 )
+
+__all__ = ["DENSE2MOE", "Dense2moeConfig"]

@@ -1,89 +1,30 @@
-"""The library API: ``convert``, ``evaluate``, ``load``, ``save``. Returns values, prints nothing."""
+"""``convert`` and ``save``: a dense model turned into an MoE model by a registered method, measured against
+the dense model in the same run, and written atomically. Returns values, prints nothing."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from moeify.arch import family_for
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
-from moeify.evaluation.harness import check_tasks, run_tasks
 from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_tokens_per_s
-from moeify.export.io import atomic_dir, check_output_dir
-from moeify.export.native import is_native_folder, load_native, save_native
-from moeify.methods import ConversionContext, get_method
-from moeify.methods.options import OptionError, build_config, parse_bool
-from moeify.moe.accounting import activated_parameters, moe_layers, nominal_activated_parameters, tracking_routing
+from moeify.export.native import save_native
+from moeify.files import atomic_dir, check_output_dir
+from moeify.loading import EMBEDDED_MODEL, check_device, load_model, model_path
+from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
+from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, tracking_routing
 from moeify.moe.routing import routing_summary
-from moeify.runtime.attention import PrunedAttention
-from moeify.runtime.moe import set_packed_widths
+from moeify.options import OptionError, build_config
 
-EMBEDDED_MODEL = "embedded:stories260K"
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
-
-
-def _model_path(model: str | Path | None) -> str:
-    if model is None or str(model) == EMBEDDED_MODEL:
-        return str(resources.files("moeify.data").joinpath("stories260K"))
-    return str(model)
-
-
-def _check_device(device: str) -> None:
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use --device cpu")
-
-
-def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
-    """Load a folder written by ``save`` (moeify's native format) with moeify's runtime classes."""
-    return load_native(Path(path), device)
-
-
-def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[PreTrainedModel, Any]:
-    """(model, tokenizer) from a converted folder, a dense local folder or hub name, or the embedded
-    default (``None``)."""
-    _check_device(device)
-    path = _model_path(model)
-    # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    if Path(path).is_dir() and is_native_folder(Path(path)):
-        return load_native(Path(path), device), tokenizer
-    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return dense.to(device).eval(), tokenizer
-
-
-def set_runtime_options(model: PreTrainedModel, options: dict[str, Any]) -> None:
-    """Change routers' runtime options (e.g. ``top_k``) of a converted model without converting again."""
-    layers = moe_layers(model)
-    if options and not layers:
-        raise OptionError("runtime options (--set) apply to converted models only; this model has no MoE layers")
-    for name, value in options.items():
-        if name == "pseudo_moe":  # ToMoE Appendix B.3: masks over the union instead of gathered experts
-            set_pseudo_moe(model, parse_bool(name, value))
-            continue
-        for layer in layers:
-            if layer.router is not None:  # statically narrowed layers have no runtime options
-                layer.router.set_option(name, value)
-
-
-def set_pseudo_moe(model: PreTrainedModel, on: bool) -> None:
-    """Run ToMoE's MoE layers (and routed attention) as pseudo-MoE: dense products times 0/1 masks
-    (Appendix B.3) instead of gathered experts; the logits are the same (tested)."""
-    layers = [layer for layer in moe_layers(model) if layer.expert_neurons is not None]
-    if not layers:
-        raise OptionError("pseudo_moe applies to models whose experts share neurons (ToMoE); this one has none")
-    for layer in layers:
-        layer.pseudo_moe = on
-    for module in model.modules():
-        if isinstance(module, PrunedAttention):
-            module.pseudo_moe = on
 
 
 @dataclass
@@ -102,7 +43,7 @@ def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:
     """The per-layer routing JSD plot (MoRE Fig. 2 style) for any model with routed layers."""
     if not routing:
         return {}
-    from moeify.evaluation.plots import per_layer_bars
+    from moeify.plots import per_layer_bars
 
     labels = [entry["layer"].split(".")[-2] if "." in entry["layer"] else entry["layer"] for entry in routing]
     png = per_layer_bars(labels, [entry["jsd"] for entry in routing], ylabel="JSD to uniform (bits)",
@@ -118,7 +59,7 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
     return ppl.as_dict(), speed
 
 
-def convert(model: str | Path | None = None, method: str = "cmoe", options: dict[str, Any] | None = None, *,
+def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
             calib: str | Path | None = None, eval: str | Path | None = None, seed: int = 0, device: str = "cpu",
             eval_seq_len: int | None = None, measure_speed: bool = True, progress: bool = False,
             work_dir: str | Path | None = None) -> ConversionResult:
@@ -135,7 +76,7 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
     if calib_source.sha256 == eval_source.sha256:
         warnings.append(f"the calibration and evaluation texts are identical ({calib_source.name}): the "
                         "perplexity is measured on calibration data and will look better than it is")
-    model_config = AutoConfig.from_pretrained(_model_path(model))
+    model_config = AutoConfig.from_pretrained(model_path(model))
     family_for(model_config)
     spec.check(config, model_config)
     context = model_config.max_position_embeddings
@@ -143,15 +84,14 @@ def convert(model: str | Path | None = None, method: str = "cmoe", options: dict
     if not 2 <= seq_len <= context:
         raise OptionError(f"eval_seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
 
-    _check_device(device)
+    check_device(device)
     torch.manual_seed(seed)
     dense, tokenizer = load_model(model, device)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
     ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress,
                             work_dir=None if work_dir is None else Path(work_dir))
     start = time.perf_counter()
-    details = spec.convert(ctx, config)
-    set_packed_widths(ctx.model)  # what a load of the saved folder sets too
+    details = spec.run(ctx, config)
     convert_s = time.perf_counter() - start
     moe = ctx.model.eval()
     quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)
@@ -198,36 +138,3 @@ def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) 
         for name, content in result.artifacts.items():
             (tmp / name).write_bytes(content)
     return out
-
-
-def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | None = None, *,
-             seq_len: int | None = None, runtime_options: dict[str, Any] | None = None,
-             tasks: list[str] | None = None, task_data: str | Path | None = None, limit: int | None = None,
-             batch_size: int = 16, protocol: str = "windows", stride: int | None = None) -> dict[str, Any]:
-    """Perplexity per data file, zero-shot accuracy per lm-eval task (``tasks`` read from ``task_data``,
-    see ``moeify.evaluation.harness``; ``limit`` items each), and the activated ratios measured on all of
-    it. Without ``data`` the embedded evaluation slice is used, unless only tasks were asked for.
-    ``protocol``/``stride``: see ``moeify.evaluation.perplexity``."""
-    set_runtime_options(model, runtime_options or {})
-    if tasks:
-        check_tasks(tasks, task_data, limit)
-    sources = [read_text(d) for d in (data or ([] if tasks else [EMBEDDED_EVAL]))]
-    context = model.config.max_position_embeddings
-    seq_len = seq_len or context
-    if not 2 <= seq_len <= context:
-        raise OptionError(f"seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
-    results: dict[str, Any] = {"ppl": {}, "eval": {}}
-    with tracking_routing(model):
-        for source in sources:
-            ppl = perplexity(model, tokenizer, source, seq_len, protocol=protocol, stride=stride)
-            results["ppl"][source.name] = ppl.ppl
-            results["eval"][source.name] = ppl.as_dict()
-        if tasks:
-            harness = run_tasks(model, tokenizer, tasks, task_data, limit=limit, batch_size=batch_size)
-            results["tasks"] = harness.scores
-            results["harness"] = {"lm_eval": harness.lm_eval_version, "limit": limit,
-                                  "task_data": str(Path(task_data).resolve())}
-    active = activated_parameters(model, measured=True)
-    results["active"] = {"mlp_ratio": active.mlp_ratio, "apr": active.apr, **active.as_dict()}
-    results["runtime_options"] = runtime_options or {}
-    return results

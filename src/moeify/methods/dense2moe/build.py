@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
-from moeify.methods.options import OptionError
 from moeify.moe.build import expert_mlp
 from moeify.moe.depth import remove_layers
+from moeify.options import OptionError
 from moeify.runtime.moe import MoeMLP, SoftmaxTopKRouter
 
 

@@ -1,91 +1,34 @@
-"""MoRE: Less Prune, MoRE Experts — Recognizing and Restructuring Latent Experts (Zhang et al.).
-
-Per converted layer, from calibration activations streamed one decoder layer at a time:
-
-1. Statistics (§2.2, Eq. 3-7): activation channel sets S(t) = TopK(|h|, k_act), k_act =
-   max(1, floor(act_ratio m)); frequency f, co-activation C and the mean squares E[x^2], E[h^2],
-   accumulated on the fly (``CoActivation``: memory O(m^2)).
-2. Backbone (Eq. 8): the k_share channels of largest importance s_j (Eq. 7). The paper writes Eq. 7
-   for the up projection only ("we will not consider gate projections"); gated MLPs use W_up alone.
-3. Petals: spectral clustering of C over the non-shared channels with its diagonal zeroed into r
-   clusters; experts E_i = S_i U C_share. Petal sizes are bounded to [min_size_ratio, max_size_ratio]
-   x the mean petal size (§E.5 fixes such a range without giving it): oversize petals shed their
-   least-linked channels, undersize ones take the best-linked channels of petals that can spare them
-   (``bound_cluster_sizes``).
-4. Routing (§2.3, Eq. 9-13): calibration tokens are assigned to the expert of largest activation energy
-   |h_{E_i}|_2 / |E_i|^alpha; each expert's prototype mu_i is the mean MLP input x of its tokens; at
-   inference the token goes to the expert of largest cosine similarity (top-1, unit weight). An expert
-   no calibration token chose keeps a zero prototype (similarity 0).
-5. Layer selection and budget (§E.4, F.2): see ``more_budget``; the achieved PR (uniform routing) is
-   recorded.
-
-The layer is an ``MoeMLP`` whose shared part is the backbone and whose experts are the petals, so only
-the backbone and the chosen petal are computed.
-
-Variants (§E.1-E.3): ``backbone`` keeps, statically, the top channels by importance at the same
-budget (k_share + mean petal size per layer: MoRE-Backbone); ``random`` replaces the spectral petals by
-random ones of the same sizes, routing built the same way (MoRE-Random as the issue defines it; the
-paper's Table 6 instead routes randomly); ``naive`` spectrally clusters all channels of a layer into
-n_c disjoint experts with no backbone, routed top-1 like MoRE, with n_c (closest to r) and the number
-of converted layers solved so that its PR matches the full variant's (Table 10).
-"""
+"""MoRE's conversion, one decoder layer at a time: backbone, spectral petals, cosine prototypes (see the
+package docstring)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import PreTrainedConfig
 
 from moeify.arch.mlp import MlpWeights
 from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import CoActivation
 from moeify.calibration.stream import stream_layers
-from moeify.methods.base import ConversionContext, Method
-from moeify.methods.more_budget import Budget, LayerShape, candidate_layers, solve_budget, solve_naive_budget
-from moeify.methods.options import OptionError, option, require_at_most
+from moeify.methods.base import ConversionContext
+from moeify.methods.more.config import MoreConfig
+from moeify.methods.more.layer_budget import (
+    Budget,
+    LayerShape,
+    candidate_layers,
+    solve_budget,
+    solve_naive_budget,
+)
 from moeify.moe.build import moe_from_partition, static_layer
 from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.runtime.moe import MoeMLP, PrototypeRouter
-
-
-@dataclass(frozen=True)
-class MoreConfig:
-    num_experts: int = option(4, "r: petals (routed experts) per layer", low=2)
-    act_ratio: float = option(0.1, "rho_act: share of channels in each token's activation set", low=0.0, high=1.0,
-                              low_open=True)
-    share_ratio: float | None = option(None, "rho_share: backbone share; default: solved from target_pr",
-                                       low=0.0, high=1.0, low_open=True)
-    alpha: float = option(0.5, "alpha of the activation energy (Eq. 9)", low=0.0, high=1.0)
-    layers: str = option("middle-deep", "middle-deep | uniform | early-middle | a list like 1,2,3")
-    target_pr: float | None = option(0.2, "target pruning rate PR = 1 - APR (Eq. 17); none with share_ratio",
-                                     low=0.0, high=1.0, low_open=True)
-    calib_samples: int = option(100, "calibration sequences (§D.1: 100 is enough)", low=1)
-    seq_len: int = option(256, "calibration sequence length", low=2)
-    min_size_ratio: float = option(0.5, "smallest petal / mean petal size (§E.5)", low=0.0, high=1.0, low_open=True)
-    max_size_ratio: float = option(1.5, "largest petal / mean petal size (§E.5)", low=1.0)
-    variant: Literal["full", "backbone", "random", "naive"] = option("full", "ablation (Tables 6, 10, 11)")
-
-    def __post_init__(self) -> None:
-        if (self.share_ratio is None) == (self.target_pr is None):
-            raise OptionError(f"share_ratio={self.share_ratio} and target_pr={self.target_pr}: set exactly one "
-                              "(target_pr=none to fix share_ratio yourself)")
-        if self.act_ratio == 1.0:
-            raise OptionError("act_ratio=1.0 is out of range; allowed: (0, 1)")
-
-    def check(self, model_config: PreTrainedConfig) -> None:
-        m, context = model_config.intermediate_size, model_config.max_position_embeddings
-        candidate_layers(self.layers, model_config.num_hidden_layers)  # raises on a bad list
-        if self.num_experts > m - 1:
-            raise OptionError(f"num_experts={self.num_experts} must be <= the non-shared channels ({m - 1})")
-        require_at_most("seq_len", self.seq_len, context, "the model's context")
 
 
 def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:
@@ -180,12 +123,3 @@ def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
         layers.append({"layer": step.index, **info})
     return {"layers": layers, "converted_layers": budget.layers, "pruning_rate_uniform": budget.pruning_rate,
             "calibration": {"samples": cfg.calib_samples, "seq_len": cfg.seq_len, "tokens": int(batches.numel())}}
-
-
-MORE = Method(
-    name="more",
-    paper="Zhang et al., Less Prune, MoRE Experts: Recognizing and Restructuring Latent Experts for Model Compression",
-    summary="training-free: co-activation backbone + spectral petals, cosine-prototype routing, layer budget",
-    config_cls=MoreConfig,
-    convert=convert,
-)

@@ -1,4 +1,5 @@
-"""Atomic output folders: nothing half-written is ever left where the user asked for the output."""
+"""Output folders and the names every layer shares: atomic writes (nothing half-written is ever left where
+the user asked for the output) and ``MOEIFY_KEY``, the config block that marks a model as moeify's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+MOEIFY_KEY = "moeify"  # the block in a converted model's config.json that describes its MoE layers
 
 
 class OutputExistsError(FileExistsError):

@@ -17,16 +17,14 @@ against 10.60 / 10.80), and a small rate does not undo that in 100 steps. 1e-3 s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moeify.calibration.data import token_stream
+from moeify.methods.base import ConversionContext
+from moeify.methods.dense2moe.config import Dense2moeConfig
 from moeify.training.loop import Checkpointing, TrainPlan, WarmupCosine, train
-
-if TYPE_CHECKING:
-    from moeify.methods.base import ConversionContext
-    from moeify.methods.dense2moe import Dense2moeConfig
 
 FINAL_LR_RATIO = 0.1  # §3.1: cosine decay from 1e-4 to 1e-5
 

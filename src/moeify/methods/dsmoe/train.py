@@ -36,18 +36,16 @@ Choices the paper leaves open:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from moeify.calibration.data import token_stream
+from moeify.methods.base import ConversionContext
+from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.runtime.moe import SIGMOID_AT_ZERO, MoeMLP, passing_gates, rescaled_gate_weights
 from moeify.training.loop import Checkpointing, TrainPlan, lm_loss, train
-
-if TYPE_CHECKING:
-    from moeify.methods.base import ConversionContext
-    from moeify.methods.dsmoe import DsmoeConfig
 
 
 def straight_through(values: Tensor, gates: Tensor) -> Tensor:

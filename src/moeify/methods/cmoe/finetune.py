@@ -5,18 +5,16 @@ merged afterwards, so the saved model has the plain MoE structure."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from moeify.calibration.data import token_stream
+from moeify.methods.base import ConversionContext
+from moeify.methods.cmoe.config import CmoeConfig
 from moeify.moe.accounting import moe_layers
 from moeify.training.loop import TrainPlan, train
-
-if TYPE_CHECKING:
-    from moeify.methods.base import ConversionContext
-    from moeify.methods.cmoe import CmoeConfig
 
 
 def _lora_targets(model: nn.Module) -> list[str]:

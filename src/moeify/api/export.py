@@ -11,7 +11,8 @@ from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import library_versions
 from moeify.export.hf_distill import distill_routers
 from moeify.export.hf_export import EXPORTERS, NotExportable, Support, distillable_layers, save_hf
-from moeify.export.io import check_output_dir
+from moeify.files import check_output_dir
+from moeify.loading import load_model
 
 CALIB_SEQ_LEN = 512  # distillation windows (or the model's context, if shorter)
 
@@ -25,8 +26,6 @@ def exporter_named(name: str):
 
 def check_formats(source: str | Path, device: str = "cpu") -> list[Support]:
     """``supports(model, explain=True)`` of every format for the model in ``source``."""
-    from moeify.api import load_model
-
     model, _ = load_model(source, device)
     return [exporter.supports(model, explain=True) for exporter in EXPORTERS.values()]
 
@@ -39,8 +38,6 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, distill_step
     ``distill_steps``: replace non-linear routers by linear ones fitted to their decisions on ``calib``
     (default: the embedded calibration slice); the record then reports the decision agreement and the
     perplexity of source and export on ``eval`` (default: the embedded evaluation slice)."""
-    from moeify.api import load_model
-
     exporter = exporter_named(fmt)
     if distill_steps is None and (calib or eval):
         raise ValueError("--calib and --eval are the distillation's texts; they need --distill-router STEPS")

@@ -18,13 +18,15 @@ distillation, Listing 1); the student pass routes and masks; then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from moeify.calibration.data import token_stream
-from moeify.methods.tomoe_modules import (
+from moeify.methods.base import ConversionContext
+from moeify.methods.tomoe.config import TomoeConfig
+from moeify.methods.tomoe.modules import (
     AttentionMasks,
     HyperNetwork,
     LayerModules,
@@ -33,10 +35,6 @@ from moeify.methods.tomoe_modules import (
 )
 from moeify.moe.head_dim import head_dim_costs
 from moeify.training.loop import Checkpointing, TrainPlan, train
-
-if TYPE_CHECKING:
-    from moeify.methods.base import ConversionContext
-    from moeify.methods.tomoe import TomoeConfig
 
 
 def f_reg(x: Tensor, y: Tensor | float) -> Tensor:

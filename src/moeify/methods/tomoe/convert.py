@@ -16,23 +16,38 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from moeify.calibration.data import calibration_batches
-from moeify.methods.tomoe_modules import EMBED_DIM, KEEP_BIAS
+from moeify.methods.base import ConversionContext
+from moeify.methods.tomoe.config import TomoeConfig
+from moeify.methods.tomoe.modules import EMBED_DIM, KEEP_BIAS
+from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learn
 from moeify.moe.accounting import layer_attention_counts
 from moeify.moe.build import expert_mlp
-from moeify.moe.head_dim import pruned_attention, rope_pairs
+from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
+from moeify.options import OptionError, require_work_dir_for_resume
+from moeify.plots import training_curves
 from moeify.runtime.attention import HeadDimRouter
 from moeify.runtime.moe import ArgmaxRouter, MoeMLP
 
-if TYPE_CHECKING:
-    from moeify.methods.base import ConversionContext
-    from moeify.methods.tomoe import TomoeConfig
-    from moeify.methods.tomoe_train import MaskedModel, TomoeModules
+CURVES_PNG = "tomoe_training.png"
+
+
+def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
+    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
+    if cfg.attention == "on" and (reason := head_dim_support(ctx.adapter.attention_module(0))):
+        raise OptionError(f"attention=on is not possible for this model: {reason}; use attention=off")
+    seq_len = cfg.effective_seq_len(ctx.model.config)
+    theta, masked, log = learn(ctx, cfg, seq_len)
+    structure = convert_(ctx, theta, masked, cfg, seq_len)
+    curves = {name: log["curves"][key] for name, key in (("KD loss", "kd"), ("R_P", "r_p"), ("R_U", "r_u"),
+                                                          ("R_L", "r_l"), ("T / T_total", "ratio"))}
+    ctx.artifacts[CURVES_PNG] = training_curves(curves, title=f"ToMoE training (p = {cfg.active_ratio})")
+    return {**structure, "train_seq_len": seq_len, "training": log, "curves_png": CURVES_PNG}
 
 
 def widened_experts(logits: Tensor, threshold: float = 0.0) -> list[Tensor]:

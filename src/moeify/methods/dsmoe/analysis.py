@@ -11,17 +11,15 @@ The activated ratios are the measured ones (MoeMLP stats): a threshold router ha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from moeify.calibration.data import TextSource
 from moeify.evaluation.perplexity import perplexity
+from moeify.methods.base import ConversionContext
+from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.moe.accounting import activated_parameters, moe_layers, tracking_routing
-
-if TYPE_CHECKING:
-    from moeify.methods.base import ConversionContext
-    from moeify.methods.dsmoe import DsmoeConfig
 
 TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # Appendix A, Table 4
 HEATMAP = "dsmoe_activated_experts.png"
@@ -58,7 +56,7 @@ def tau_sweep(model: nn.Module, tokenizer: Any, sources: list[TextSource], seq_l
 
 def activation_heatmap(per_file: dict[str, list[float]], num_experts: int, tau: float) -> bytes:
     """Fig. 3: activated experts per token, files (rows) x layers (columns), as PNG bytes."""
-    from moeify.evaluation.plots import heatmap
+    from moeify.plots import heatmap
 
     return heatmap(list(per_file.values()), row_labels=list(per_file), vmax=num_experts, xlabel="layer",
                    title=f"DSMoE: mean activated experts per token (of {num_experts}), tau = {tau:g}")

@@ -1,22 +1,21 @@
-"""``moeify analyze``: a model's inter-layer similarity (Dense2MoE §2.2, Fig. 3) on its own, without
-converting it. Returns values; ``save_analysis`` writes the folder atomically."""
+"""``moeify analyze``: a method's analysis of a dense model on its own, without converting it (today
+Dense2MoE's inter-layer similarity, §2.2, Fig. 3: the only registered ``model_analysis``). Returns values;
+``save_analysis`` writes the folder atomically."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeify.api import EMBEDDED_MODEL, load_model
-from moeify.calibration.data import EMBEDDED_CALIB, calibration_batches, read_text
-from moeify.calibration.similarity import layer_similarity, similarity_heatmaps
-from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
-from moeify.export.io import atomic_dir, check_output_dir
-from moeify.methods.dense2moe_build import rank_spans
-from moeify.methods.options import OptionError
+import torch
 
-SIMILARITY_NAME = "layer_similarity.json"
+from moeify.calibration.data import EMBEDDED_CALIB, calibration_batches, read_text
+from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
+from moeify.files import atomic_dir, check_output_dir
+from moeify.loading import EMBEDDED_MODEL, load_model
+from moeify.methods import METHODS, Method, get_method
+from moeify.options import OptionError
 
 
 @dataclass
@@ -28,11 +27,24 @@ class LayerAnalysis:
     artifacts: dict[str, bytes]
 
 
-def analyze_layers(model: str | Path | None = None, *, calib: str | Path | None = None, samples: int = 8,
-                   seq_len: int | None = None, seed: int = 0, device: str = "cpu",
+def analyzing_method(name: str | None) -> Method:
+    """The method named ``name``, or the first registered one with a model analysis; it must have one."""
+    if name is None:
+        name = next((m.name for m in METHODS if m.model_analysis is not None), "")
+    method = get_method(name)
+    if method.model_analysis is None:
+        offered = ", ".join(m.name for m in METHODS if m.model_analysis is not None)
+        raise OptionError(f"method {name!r} has no analysis of a dense model; methods with one: {offered}")
+    return method
+
+
+def analyze_layers(model: str | Path | None = None, *, method: str | None = None, calib: str | Path | None = None,
+                   samples: int = 8, seq_len: int | None = None, seed: int = 0, device: str = "cpu",
                    progress: bool = False) -> LayerAnalysis:
-    """S_L and S_M of ``model`` (default: the embedded one) on ``samples`` windows of ``seq_len`` tokens
-    (default min(1024, context), as Dense2MoE's conversion) drawn from ``calib``."""
+    """``method``'s analysis (default: the first method that offers one) of ``model`` (default: the
+    embedded one) on ``samples`` windows of ``seq_len`` tokens (default min(1024, context)) drawn from
+    ``calib``."""
+    analysis = analyzing_method(method)
     source = read_text(calib or EMBEDDED_CALIB)
     if samples < 1:
         raise OptionError(f"samples={samples} is out of range; allowed: [1, inf)")
@@ -42,16 +54,14 @@ def analyze_layers(model: str | Path | None = None, *, calib: str | Path | None 
     if not 2 <= seq_len <= context:
         raise OptionError(f"seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
     batches = calibration_batches(source, tokenizer, samples, seq_len, seed)
-    similarity = layer_similarity(loaded, batches, device=device, progress=progress)
-    matrices = similarity.as_dict()
-    artifacts = {SIMILARITY_NAME: (json.dumps(matrices, indent=1) + "\n").encode(), **similarity_heatmaps(similarity)}
+    entries, artifacts = analysis.model_analysis(loaded, batches, torch.device(device), progress)
     record = {
         "command": "analyze",
+        "method": analysis.name,
         "model": str(model or EMBEDDED_MODEL),
         "config": {"samples": samples, "seq_len": seq_len, "seed": seed, "device": device},
         "data": {"calib": {"name": source.name, "sha256": source.sha256}},
-        "similarity": matrices,
-        "spans": [s.as_dict() for s in rank_spans(similarity.layer_output, similarity.mlp_input)],
+        **entries,
         "artifacts": sorted(artifacts),
         "versions": library_versions(),
     }

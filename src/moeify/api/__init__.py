@@ -1,0 +1,16 @@
+"""The use cases, one module each: ``convert`` (and ``save``), ``evaluate`` (and runtime options),
+``export`` (standard MoE formats), ``analyze`` (a method's analysis of a dense model), ``compare`` (every
+method at a matched budget). They return values and print nothing; ``moeify.cli`` prints."""
+
+from __future__ import annotations
+
+from moeify.api.analyze import LayerAnalysis, analyze_layers, save_analysis
+from moeify.api.compare import run_comparison
+from moeify.api.convert import ConversionResult, convert, save
+from moeify.api.evaluate import evaluate, set_runtime_options
+from moeify.api.export import check_formats, export_folder
+from moeify.loading import EMBEDDED_MODEL, load, load_model
+
+__all__ = ["EMBEDDED_MODEL", "ConversionResult", "LayerAnalysis", "analyze_layers", "check_formats", "convert",
+           "evaluate", "export_folder", "load", "load_model", "run_comparison", "save", "save_analysis",
+           "set_runtime_options"]

@@ -1,0 +1,80 @@
+"""CMoE's options: S/A/E (or the SxAyEz shorthand), ATopK's K_a, calibration and light fine-tuning."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedConfig
+
+from moeify.arch import DecoderAdapter
+from moeify.moe.accounting import mlp_share_for_apr
+from moeify.options import OptionError, option, require_at_most
+
+_SPEC = re.compile(r"^S(\d+)A(\d+)E(\d+)$")
+
+
+@dataclass(frozen=True)
+class CmoeConfig:
+    num_experts: int = option(8, "E: total experts per layer, shared included", low=2)
+    num_shared: int = option(1, "S: shared (always-on) experts", low=0)
+    top_k: int = option(1, "A: routed experts activated per token", low=1)
+    spec: str | None = option(None, "shorthand for S/A/E, e.g. S1A1E8 (= 25% of the MLP active)")
+    ka: int = option(10, "K_a of ATopK (Eq. 5): neurons marked active per token", low=1)
+    calib_samples: int = option(8, "calibration sequences", low=1)
+    seq_len: int | None = option(None, "calibration sequence length (default: min(2048, model context))", low=2)
+    max_iter: int = option(100, "balanced k-means iterations at most", low=1)
+    partition: Literal["balanced_kmeans", "random"] = option("balanced_kmeans", "expert grouping; random = LLaMA-MoE split")
+    bias_speed: float = option(0.001, "gamma: load-balancing bias update speed (Eq. 33)", low=0.0)
+    finetune_steps: int = option(0, "light fine-tuning steps (0 = training-free)", low=0)
+    finetune_batch_size: int = option(4, "fine-tuning sequences per step", low=1)
+    lr: float = option(5.95e-5, "fine-tuning learning rate of the LoRA weights", low=0.0, low_open=True)
+    u_lr: float = option(1e-3, "learning rate of the score scale u", low=0.0, low_open=True)
+    lora_rank: int = option(8, "LoRA rank", low=1)
+    lora_alpha: float = option(32.0, "LoRA alpha", low=0.0, low_open=True)
+
+    def __post_init__(self) -> None:
+        if self.spec is not None:
+            match = _SPEC.match(self.spec)
+            if not match:
+                raise OptionError(f"spec={self.spec!r} must look like S1A1E8 (shared, activated, total experts)")
+            shared, active, total = map(int, match.groups())
+            object.__setattr__(self, "num_shared", shared)
+            object.__setattr__(self, "top_k", active)
+            object.__setattr__(self, "num_experts", total)
+            object.__setattr__(self, "spec", None)
+        if self.num_shared >= self.num_experts:
+            raise OptionError(f"num_shared={self.num_shared} must be < num_experts={self.num_experts} "
+                              "(at least one routed expert)")
+        if self.top_k > self.num_routed:
+            raise OptionError(f"top_k={self.top_k} must be <= the routed experts "
+                              f"num_experts - num_shared = {self.num_routed}")
+
+    @property
+    def num_routed(self) -> int:
+        return self.num_experts - self.num_shared
+
+    def check(self, model_config: PreTrainedConfig) -> None:
+        d_h = model_config.intermediate_size
+        require_at_most("num_experts", self.num_experts, d_h, "the MLP width d_h")
+        require_at_most("ka", self.ka, d_h, "the MLP width d_h")
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
+
+    def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
+        return self.seq_len or min(2048, model_config.max_position_embeddings)
+
+
+def spec_for_share(mlp_share: float) -> str:
+    """The SxAyEz closest to ``mlp_share`` = (S+A)/E, preferring fewer experts, then S = A."""
+    best = min(((s, a, e) for e in (8, 16, 32) for s in range(1, e) for a in range(1, e - s + 1)),
+               key=lambda sae: (round(abs((sae[0] + sae[1]) / sae[2] - mlp_share), 4), sae[2], abs(sae[0] - sae[1])))
+    return f"S{best[0]}A{best[1]}E{best[2]}"
+
+
+def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
+    """The S/A/E spec (E in 8/16/32, S and A as equal as possible) whose MLP share (S+A)/E is closest to
+    the share that activated-parameter ratio ``apr`` needs."""
+    share = mlp_share_for_apr(apr, adapter)
+    spec = spec_for_share(share)
+    return [{"spec": spec}], f"spec={spec} (MLP share {share:.3f} needed)"

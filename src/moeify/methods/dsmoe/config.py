@@ -1,0 +1,42 @@
+"""DSMoE's options: experts, the gate threshold tau, the ablation variant, continued training and analyses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from transformers import PreTrainedConfig
+
+from moeify.options import OptionError, option, require_at_most
+
+
+@dataclass(frozen=True)
+class DsmoeConfig:
+    num_experts: int = option(8, "n: experts per MLP, contiguous neuron blocks (Eq. 6)", low=2)
+    tau: float = option(0.5, "gate threshold (Eq. 7); also a runtime option of the converted model", low=0.0,
+                        high=1.0)
+    variant: Literal["full", "no_ste", "no_gate"] = option(
+        "full", "full: STE (Eq. 11); no_ste: Eq. 7 (§6.1); no_gate: Eq. 20, threshold at inference only (§6.2)")
+    steps: int = option(200, "continued-training optimizer steps (0: untrained, the dense model at tau <= 0.5)", low=0)
+    lr: float = option(2e-4, "AdamW learning rate of the model's weights", low=0.0, low_open=True)
+    gate_lr: float = option(1e-2, "AdamW learning rate of the gates Y", low=0.0, low_open=True)
+    batch_size: int = option(8, "sequences per optimizer step", low=1)
+    grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple)", low=1)
+    seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
+    sparsity_weight: float = option(1.0, "weight of the sparsity loss (1 in Eq. 17-19)", low=0.0)
+    gate_init_std: float = option(0.0, "std of a random gate init when training starts (0: Y = 0, all on)", low=0.0)
+    checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)",
+                                   low=0)
+    resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
+    analyses: bool = option(True, "tau sweep (Table 4) and per-layer activation heatmap (Fig. 3)")
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.grad_accum:
+            raise OptionError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+
+    def check(self, model_config: PreTrainedConfig) -> None:
+        require_at_most("num_experts", self.num_experts, model_config.intermediate_size, "the MLP width d_h")
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
+
+    def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
+        return self.seq_len or min(256, model_config.max_position_embeddings)

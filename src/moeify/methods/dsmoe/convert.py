@@ -1,0 +1,52 @@
+"""DSMoE's conversion: contiguous expert blocks with untrained sigmoid gates, then continued training
+(see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeify.calibration.data import TextSource
+from moeify.methods.base import ConversionContext
+from moeify.methods.dsmoe.config import DsmoeConfig
+from moeify.moe.build import moe_from_partition
+from moeify.moe.partition import ExpertPartition, even_sizes
+from moeify.options import require_work_dir_for_resume
+from moeify.runtime.moe import ThresholdRouter
+
+
+def contiguous_partition(intermediate_size: int, num_experts: int) -> ExpertPartition:
+    """Eq. 6: neurons [0, s_0), [s_0, s_0 + s_1), ... as experts, no shared part."""
+    blocks = torch.arange(intermediate_size).split(even_sizes(intermediate_size, num_experts))
+    return ExpertPartition(shared=torch.zeros(0, dtype=torch.long), experts=tuple(blocks))
+
+
+def partition_model_(ctx: ConversionContext, cfg: DsmoeConfig) -> list[list[int]]:
+    """Replace every MLP by its DSMoE layer with untrained gates; returns the expert sizes per layer."""
+    adapter = ctx.adapter
+    sizes = []
+    for i in range(adapter.num_layers):
+        mlp = adapter.mlp(i)
+        partition = contiguous_partition(mlp.intermediate_size, cfg.num_experts)
+        router = ThresholdRouter(mlp.hidden_size, cfg.num_experts, tau=cfg.tau)
+        adapter.replace_mlp_(i, moe_from_partition(mlp, partition, router).to(mlp.up.device))
+        sizes.append([e.numel() for e in partition.experts])
+    return sizes
+
+
+def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> dict[str, Any]:
+    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
+    seq_len = cfg.effective_seq_len(ctx.model.config)
+    details: dict[str, Any] = {"expert_sizes": partition_model_(ctx, cfg), "train_seq_len": seq_len}
+    if cfg.steps:
+        from moeify.methods.dsmoe.train import continue_training
+
+        details["training"] = continue_training(ctx, cfg, seq_len)
+    return details
+
+
+def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> dict[str, Any]:
+    from moeify.methods.dsmoe.analysis import analyze as run
+
+    return run(ctx, cfg, sources, seq_len) if cfg.analyses else {}

@@ -1,0 +1,48 @@
+"""MoRE: Less Prune, MoRE Experts — Recognizing and Restructuring Latent Experts (Zhang et al.).
+
+Per converted layer, from calibration activations streamed one decoder layer at a time:
+
+1. Statistics (§2.2, Eq. 3-7): activation channel sets S(t) = TopK(|h|, k_act), k_act =
+   max(1, floor(act_ratio m)); frequency f, co-activation C and the mean squares E[x^2], E[h^2],
+   accumulated on the fly (``CoActivation``: memory O(m^2)).
+2. Backbone (Eq. 8): the k_share channels of largest importance s_j (Eq. 7). The paper writes Eq. 7
+   for the up projection only ("we will not consider gate projections"); gated MLPs use W_up alone.
+3. Petals: spectral clustering of C over the non-shared channels with its diagonal zeroed into r
+   clusters; experts E_i = S_i U C_share. Petal sizes are bounded to [min_size_ratio, max_size_ratio]
+   x the mean petal size (§E.5 fixes such a range without giving it): oversize petals shed their
+   least-linked channels, undersize ones take the best-linked channels of petals that can spare them
+   (``bound_cluster_sizes``).
+4. Routing (§2.3, Eq. 9-13): calibration tokens are assigned to the expert of largest activation energy
+   |h_{E_i}|_2 / |E_i|^alpha; each expert's prototype mu_i is the mean MLP input x of its tokens; at
+   inference the token goes to the expert of largest cosine similarity (top-1, unit weight). An expert
+   no calibration token chose keeps a zero prototype (similarity 0).
+5. Layer selection and budget (§E.4, F.2): see ``more_budget``; the achieved PR (uniform routing) is
+   recorded.
+
+The layer is an ``MoeMLP`` whose shared part is the backbone and whose experts are the petals, so only
+the backbone and the chosen petal are computed.
+
+Variants (§E.1-E.3): ``backbone`` keeps, statically, the top channels by importance at the same
+budget (k_share + mean petal size per layer: MoRE-Backbone); ``random`` replaces the spectral petals by
+random ones of the same sizes, routing built the same way (MoRE-Random as the issue defines it; the
+paper's Table 6 instead routes randomly); ``naive`` spectrally clusters all channels of a layer into
+n_c disjoint experts with no backbone, routed top-1 like MoRE, with n_c (closest to r) and the number
+of converted layers solved so that its PR matches the full variant's (Table 10).
+"""
+
+from __future__ import annotations
+
+from moeify.methods.base import Method
+from moeify.methods.more.config import MoreConfig, match_budget
+from moeify.methods.more.convert import convert
+
+MORE = Method(
+    name="more",
+    paper="Zhang et al., Less Prune, MoRE Experts: Recognizing and Restructuring Latent Experts for Model Compression",
+    summary="training-free: co-activation backbone + spectral petals, cosine-prototype routing, layer budget",
+    config_cls=MoreConfig,
+    convert=convert,
+    match_budget=match_budget,
+)
+
+__all__ = ["MORE", "MoreConfig"]

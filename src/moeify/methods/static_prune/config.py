@@ -1,0 +1,29 @@
+"""The static-pruning baseline's options: the activated-parameter ratio, attention pruning, calibration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedConfig
+
+from moeify.arch import DecoderAdapter
+from moeify.options import option, require_at_most
+
+
+@dataclass(frozen=True)
+class StaticPruneConfig:
+    active_ratio: float = option(0.5, "activated-parameter ratio to keep (APR over attention + MLP projections)",
+                                 low=0.0, high=1.0, low_open=True)
+    attention: Literal["on", "off"] = option("on", "also prune attention head dimensions (off = MLP channels "
+                                                   "only; unsupported attention falls back to off)")
+    calib_samples: int = option(8, "calibration sequences", low=1)
+    seq_len: int | None = option(None, "calibration sequence length (default: min(2048, model context))", low=2)
+
+    def check(self, model_config: PreTrainedConfig) -> None:
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
+
+
+def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
+    """The ratio is the option itself: ``active_ratio = apr``."""
+    return [{"active_ratio": apr}], f"active_ratio={apr}"

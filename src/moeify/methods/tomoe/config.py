@@ -1,0 +1,44 @@
+"""ToMoE's options: experts, the activated share p, attention pruning, the distillation's budget and
+regulariser weights (the paper's defaults, Table 8 and §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedConfig
+
+from moeify.arch import DecoderAdapter
+from moeify.options import option, require_at_most
+
+
+@dataclass(frozen=True)
+class TomoeConfig:
+    num_experts: int = option(8, "N: experts per MLP (top-1 routed)", low=2)
+    active_ratio: float = option(0.5, "p: activated share of the attention + MLP projections (Eq. 8)",
+                                 low=0.0, high=1.0, low_open=True)
+    attention: Literal["on", "off"] = option("on", "on: Q/K static + V/O top-K head-dim pruning; off: MLP experts only")
+    steps: int = option(600, "optimizer steps of the router/mask learning (the paper: 10,000)", low=1)
+    lr: float = option(1e-3, "AdamW learning rate (constant)", low=0.0, low_open=True)
+    weight_decay: float = option(0.05, "AdamW weight decay", low=0.0)
+    tau: float = option(0.4, "Gumbel temperature of Eq. 14-15", low=0.0, low_open=True)
+    alpha: float = option(16.0, "weight of R_P, the parameter regulariser (Eq. 8)", low=0.0)
+    beta: float = option(2.0, "weight of R_U, the union-of-experts regulariser (Eq. 7)", low=0.0)
+    gamma: float = option(1.0, "weight of R_L, the load-balancing loss (Eq. 9)", low=0.0)
+    batch_size: int = option(4, "sequences per optimizer step", low=1)
+    seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
+    calib_samples: int = option(8, "calibration windows that fix K of the V/O top-K (§3.3)", low=1)
+    checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)", low=0)
+    resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
+
+    def check(self, model_config: PreTrainedConfig) -> None:
+        require_at_most("num_experts", self.num_experts, model_config.intermediate_size, "the MLP width d_mid")
+        require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
+
+    def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
+        return self.seq_len or min(256, model_config.max_position_embeddings)
+
+
+def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
+    """p is the activated-parameter ratio itself (R_P, Eq. 8): ``active_ratio = apr``."""
+    return [{"active_ratio": apr}], f"active_ratio={apr}"
