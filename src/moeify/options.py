@@ -7,6 +7,7 @@ input fails before any heavy work with the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Literal, get_args, get_origin
 
@@ -70,9 +71,34 @@ def parse_bool(name: str, raw: Any) -> bool:
     return _convert(name, raw, bool)
 
 
+def method_config(cls: type) -> type:
+    """Make ``cls`` a method's configuration: a frozen dataclass that checks itself when constructed, from
+    the CLI or the Python API alike. Its ``__post_init__`` checks every field's range, runs the class's own
+    ``validate()`` (cross-field rules, shorthands such as CMoE's ``spec``) if it has one, and checks the
+    ranges again when ``validate`` set fields (a shorthand's values are checked like given ones)."""
+
+    def check_ranges(config: Any) -> tuple[Any, ...]:
+        values = tuple(getattr(config, f.name) for f in dataclasses.fields(config))
+        for f, value in zip(dataclasses.fields(config), values):
+            _check_range(f.name, value, dict(f.metadata))
+        return values
+
+    def __post_init__(self: Any) -> None:
+        before = check_ranges(self)
+        if hasattr(self, "validate"):
+            self.validate()
+            if tuple(getattr(self, f.name) for f in dataclasses.fields(self)) != before:
+                check_ranges(self)
+
+    cls.__post_init__ = __post_init__
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
 def _check_range(name: str, value: Any, meta: dict[str, Any]) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise OptionError(f"{name}={value} is not a finite number")
     low, high = meta.get("low"), meta.get("high")
-    if value is None or (low is None and high is None):
+    if value is None or isinstance(value, bool) or (low is None and high is None):
         return
     below = low is not None and (value <= low if meta.get("low_open") else value < low)
     above = high is not None and value > high

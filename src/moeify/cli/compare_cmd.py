@@ -27,8 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeify.methods import get_method
     from moeify.api import run_comparison
+    from moeify.methods import get_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in methods:

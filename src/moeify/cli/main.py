@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeify.cli import (analyze_cmd, bench_cmd, compare_cmd, convert_cmd, eval_cmd, export_cmd, methods_cmd,
-                        report_cmd)
+from moeify.cli import analyze_cmd, bench_cmd, compare_cmd, convert_cmd, eval_cmd, export_cmd, methods_cmd, report_cmd
 
 COMMANDS = (convert_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd, analyze_cmd)
 

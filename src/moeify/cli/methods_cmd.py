@@ -1,8 +1,10 @@
-"""``moeify methods``: the registered methods, their papers and options."""
+"""``moeify methods``: the registered methods, their papers and options (``--markdown``: the README's
+option tables, generated from the config classes so that the docs cannot drift from the code)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from moeify.methods import METHODS
 from moeify.options import describe
@@ -11,13 +13,47 @@ from moeify.options import describe
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("methods", help="list the conversion methods with their papers and options",
                             description="List every conversion method with its paper and its --set options.")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print a markdown section per method with a table of its options (the README's)")
     parser.set_defaults(run=run)
 
 
-def run(_args: argparse.Namespace) -> int:
-    for method in METHODS:
-        print(f"{method.name}: {method.summary}\n  paper: {method.paper}\n  options (--set KEY=VALUE):")
-        for name, kind, default, help_text in describe(method.config_cls):
-            print(f"    {name:<20} {kind:<28} default {default!s:<16} {help_text}")
-        print()
+def run(args: argparse.Namespace) -> int:
+    print(markdown() if args.markdown else listing(), end="")
     return 0
+
+
+def listing() -> str:
+    """The plain listing: per method its summary, paper and options with type, default and help."""
+    lines = []
+    for method in METHODS:
+        lines += [f"{method.name}: {method.summary}", f"  paper: {method.paper}", "  options (--set KEY=VALUE):"]
+        lines += [f"    {name:<20} {kind:<28} default {default!s:<16} {help_text}"
+                  for name, kind, default, help_text in describe(method.config_cls)]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """Table-cell text: a ``|`` would end the cell (inside code spans too), so it is escaped."""
+    return text.replace("|", "\\|")
+
+
+def _value(default: Any) -> str:
+    """A default as it is written after ``--set KEY=``."""
+    if default is None:
+        return "none"
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+def markdown() -> str:
+    """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options."""
+    lines = []
+    for method in METHODS:
+        summary = method.summary[:1].upper() + method.summary[1:]
+        lines += [f"### `{method.name}`", "", f"Paper: {method.paper}.", "", f"{summary}.", "",
+                  "| option | type | default | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{name}` | `{_cell(kind)}` | `{_cell(_value(default))}` | {_cell(help_text)} |"
+                  for name, kind, default, help_text in describe(method.config_cls)]
+        lines.append("")
+    return "\n".join(lines)

@@ -27,7 +27,8 @@ from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
 from moeify.files import atomic_dir
 from moeify.runtime.attention import PrunedAttention
-from moeify.runtime.moe import GROUPED_MM_DTYPES, MoeMLP
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.packed import GROUPED_MM_DTYPES
 
 EXPORT_RECORD = "moeify_export.json"
 PROBE_SHAPE = (2, 64)  # random token ids the source and the export are compared on

@@ -33,7 +33,7 @@ from torch import Tensor
 from transformers import Glm4MoeConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
 
 from moeify.export.hf_parts import GatedMlp, LayerParts, fold
-from moeify.runtime.moe import aligned_width, packed_widths
+from moeify.runtime.packed import aligned_width, packed_widths
 
 SIGMOID_SCORE_BOUND = 2.0  # |router score| kept below this: sigmoid stays strictly increasing in fp32
 

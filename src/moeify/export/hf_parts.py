@@ -6,12 +6,8 @@ optional always-on part, equal-width routed experts and a *linear* router whose 
 cannot; ``fold`` then reshapes one layer to the widths a format fixes for all layers without changing
 what it computes. Nothing here knows a format's module names: that is ``hf_formats``' business.
 
-Why a cosine-prototype router (MoRE) is linear: its top-1 choice maximises
-``x.mu_i / (|x| |mu_i| + eps)``; without ``eps`` that is ``argmax_i x.(mu_i / |mu_i|)`` because ``|x|``
-is the same for every expert. The ``eps`` (1e-6) scales cosine i by 1 - eps / (|x| |mu_i|), so it can
-only swap two experts whose cosines differ by less than about that (1e-7 for |x| |mu_i| = 10): the
-float32 rounding of the cosine itself. So the unit-length prototypes are an exact linear router for
-top-1 up to rounding; the export measures the logits to show it.
+Which routers are linear, each router says itself (``linear_form()``, see ``runtime.routers``); an
+export measures the logits to show it.
 """
 
 from __future__ import annotations
@@ -23,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
-from moeify.runtime.moe import MoeMLP, PrototypeRouter, SoftmaxTopKRouter, aligned_width
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import NotLinear, Router
 
 Weighting = Literal["unit", "softmax"]
 SUPPORTED_ACT = "silu"  # the only MLP activation vLLM's MoE kernels implement for these formats
@@ -113,33 +110,18 @@ class LayerParts:
         return self.routing is not None
 
 
-def linear_routing(router: nn.Module) -> tuple[Routing, float]:
-    """The router as a linear ``Routing`` and the constant factor c of every routed weight (c = 1 but
-    for Dense2MoE's p_i E / k), which is folded into the experts' down projections; or
-    ``NotRepresentable`` saying why the router is not linear.
-
-    Besides the routers of moeify's methods, any router exposing ``linear_score_weight() -> (experts, d)``,
-    ``weighting`` (``"unit"`` or ``"softmax"``) and ``top_k`` is linear (e.g. ToMoE's, when it exists)."""
-    kind = getattr(router, "kind", type(router).__name__)
-    if isinstance(router, PrototypeRouter):  # unit-length prototypes: see the module docstring for eps
-        protos = router.prototypes.detach().double()
-        norms = protos.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(protos.dtype).tiny)
-        return Routing(protos / norms, router.top_k, "unit"), 1.0  # a zero prototype stays zero (similarity 0)
-    if isinstance(router, SoftmaxTopKRouter):  # weights p_i * E / k: softmax probabilities times a constant
-        return Routing(router.proj.weight.detach().double(), router.top_k, "softmax"), router.expert_scale
-    if hasattr(router, "linear_score_weight"):
-        weighting = getattr(router, "weighting", None)
-        if weighting not in ("unit", "softmax"):
-            raise NotRepresentable(f"router {kind!r} has weighting={weighting!r}; exportable: 'unit', 'softmax'")
-        return Routing(router.linear_score_weight().detach().double(), int(router.top_k), weighting), 1.0
-    if getattr(router, "top_k", None) == 1:
-        raise NotRepresentable(
-            f"router {kind!r} is not linear in x (CMoE's scores are the SwiGLU hidden values of representative "
-            "neurons), and standard formats only compute linear scores x @ W.T; pass --distill-router STEPS to fit a "
-            "linear router to its decisions on calibration text (an approximation, reported as such)",
-            distillable=True)
-    raise NotRepresentable(f"router {kind!r} chooses a token-dependent set of experts that no linear top-k router "
-                           "of a standard format reproduces")
+def linear_routing(router: Router) -> tuple[Routing, float]:
+    """The router's own ``linear_form()`` as a ``Routing``, and the constant factor c of every routed
+    weight (its ``expert_scale``: 1 but for Dense2MoE's E / k), which is folded into the experts' down
+    projections; or ``NotRepresentable`` saying why the router is not linear (``distillable`` when a
+    fitted linear router would make the model exportable, approximately)."""
+    try:
+        form = router.linear_form()
+    except NotLinear as error:
+        hint = ("; pass --distill-router STEPS to fit a linear router to its decisions on calibration text (an "
+                "approximation, reported as such)") if error.distillable else ""
+        raise NotRepresentable(f"router {router.kind!r} {error.reason}{hint}", distillable=error.distillable) from None
+    return Routing(form.weight, form.top_k, form.weighting), float(router.expert_scale)
 
 
 def _gated(weights: tuple[Tensor | None, Tensor, Tensor], what: str) -> GatedMlp:

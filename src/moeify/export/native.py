@@ -3,9 +3,10 @@
 The folder holds ``config.json`` (the base config with ``model_type = "moeify_<base>"``, an ``auto_map``
 and a ``moeify`` block listing every MoE layer's structure and, for a model that lost decoder layers, their
 parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure itself is the config's own
-``num_hidden_layers``), ``model.safetensors``, the tokenizer, and
-three code files: ``moeify_moe.py`` and ``moeify_attention.py`` (verbatim copies of
-:mod:`moeify.runtime.moe` and :mod:`moeify.runtime.attention`) and ``modeling_moeify.py``. Attention
+``num_hidden_layers``), ``model.safetensors``, the tokenizer, verbatim copies of the runtime modules
+(``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``packed.py``, ``attention.py``, which
+import each other relatively, so they run the same in the package and in the folder) and
+``modeling_moeify.py``. Attention
 modules with a pruned head dimension are listed under ``moeify.attention``. The changed ``model_type``
 makes a plain ``from_pretrained`` without ``trust_remote_code`` fail loudly instead of silently loading
 dense MLPs with missing weights.
@@ -14,7 +15,6 @@ dense MLPs with missing weights.
 from __future__ import annotations
 
 import json
-import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from moeify.files import MOEIFY_KEY
 from moeify.runtime import attention as runtime_attention
 from moeify.runtime import moe as runtime_moe
+
+RUNTIME_FILES = ("moe.py", "experts.py", "routers.py", "packed.py", "attention.py")
+
 
 def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, method: str = "") -> None:
     """Write ``model`` (with its MoE layers) into ``folder`` (which should come from ``atomic_dir``)."""
@@ -51,9 +54,10 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
                      "attention": runtime_attention.pruned_attention_specs(model)},
     })
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shutil.copyfile(runtime_moe.__file__, folder / "moeify_moe.py")
-    shutil.copyfile(runtime_attention.__file__, folder / "moeify_attention.py")
-    template = resources.files("moeify.runtime").joinpath("remote_template.py.txt").read_text()
+    runtime = resources.files("moeify.runtime")
+    for name in RUNTIME_FILES:
+        (folder / name).write_text(runtime.joinpath(name).read_text())
+    template = runtime.joinpath("remote_template.py.txt").read_text()
     base_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
     (folder / "modeling_moeify.py").write_text(template.format(
         version=__version__, method=method or "moeify", config_class=type(model.config).__name__,

@@ -7,7 +7,8 @@ from torch import nn
 
 from moeify.arch.mlp import MlpWeights
 from moeify.moe.partition import ExpertPartition
-from moeify.runtime.moe import ExpertMLP, HiddenNeurons, MoeMLP
+from moeify.runtime.experts import ExpertMLP, HiddenNeurons
+from moeify.runtime.moe import MoeMLP
 
 
 def _copy(linear: nn.Linear | None, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moeify.runtime.attention import HeadDimRouter, PrunedAttention
+from moeify.runtime.attention import PrunedAttention
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -56,7 +56,7 @@ def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor) -> Tensor:
 
 
 def pruned_attention(attn: nn.Module, qk_index: Tensor, vo_index: Tensor | None = None,
-                     router: HeadDimRouter | None = None) -> PrunedAttention:
+                     router: nn.Module | None = None) -> PrunedAttention:
     """A ``PrunedAttention`` with the weights of ``attn`` at the kept head dimensions: ``qk_index`` for
     query/key (pairs, see ``rope_pairs``), and ``vo_index`` (static) or ``router`` (top-K per token)."""
     reason = head_dim_support(attn)

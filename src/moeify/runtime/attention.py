@@ -1,7 +1,6 @@
 """Attention with a pruned head dimension, as run at inference (ToMoE §3.3 and the static-prune baseline).
 
-Self-contained like ``moe.py`` (only torch and transformers): moeify copies it next to every converted
-model as ``moeify_attention.py``.
+Part of the runtime copied into every converted folder, like ``moe.py`` (only torch and transformers).
 
 ``PrunedAttention`` replaces a LLaMA-style attention (separate q/k/v/o projections, rotary embedding on
 the whole head): every head keeps the same head dimensions.
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from transformers import PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import mlp_share_for_apr
-from moeify.options import OptionError, option, require_at_most
+from moeify.options import OptionError, method_config, option, require_at_most
 
 _SPEC = re.compile(r"^S(\d+)A(\d+)E(\d+)$")
 
 
-@dataclass(frozen=True)
+@method_config
 class CmoeConfig:
     num_experts: int = option(8, "E: total experts per layer, shared included", low=2)
     num_shared: int = option(1, "S: shared (always-on) experts", low=0)
@@ -34,7 +33,7 @@ class CmoeConfig:
     lora_rank: int = option(8, "LoRA rank", low=1)
     lora_alpha: float = option(32.0, "LoRA alpha", low=0.0, low_open=True)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.spec is not None:
             match = _SPEC.match(self.spec)
             if not match:

@@ -22,7 +22,8 @@ from moeify.moe.partition import (
     even_sizes,
     random_partition,
 )
-from moeify.runtime.moe import MoeMLP, RepresentativeRouter
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import RepresentativeRouter
 
 
 def atopk_markers(mlp: MlpWeights, x: Tensor, ka: int) -> Tensor:

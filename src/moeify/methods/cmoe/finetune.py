@@ -13,7 +13,7 @@ from torch import nn
 from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
 from moeify.methods.cmoe.config import CmoeConfig
-from moeify.moe.accounting import moe_layers
+from moeify.moe.accounting import moe_layers, tracking_routing
 from moeify.training.loop import TrainPlan, train
 
 
@@ -46,16 +46,10 @@ def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str,
             layer.router.update_bias(layer.stats_expert_tokens)
             layer.reset_stats()
 
-    for layer in layers:
-        layer.reset_stats()
-        layer.track_stats = True
-    try:
-        plan = TrainPlan(steps=cfg.finetune_steps, batch_size=cfg.finetune_batch_size, seq_len=seq_len)
+    plan = TrainPlan(steps=cfg.finetune_steps, batch_size=cfg.finetune_batch_size, seq_len=seq_len)
+    with tracking_routing(model):  # the token counts per expert that ``balance`` reads
         log = train(peft_model, optimizer, stream, plan, seed=ctx.seed + 1, device=ctx.device, after_step=balance,
                     progress=ctx.progress, desc="cmoe: fine-tuning")
-    finally:
-        for layer in layers:
-            layer.track_stats = False
     ctx.model = peft_model.merge_and_unload()  # LoRA folded into the weights; plain MoE structure again
     for u in scales:
         u.requires_grad_(False)

@@ -14,7 +14,8 @@ from moeify.arch.mlp import MlpWeights
 from moeify.moe.build import expert_mlp
 from moeify.moe.depth import remove_layers
 from moeify.options import OptionError
-from moeify.runtime.moe import MoeMLP, SoftmaxTopKRouter
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import SoftmaxTopKRouter
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from transformers import PreTrainedConfig
 
-from moeify.options import OptionError, option, require_at_most
+from moeify.options import OptionError, method_config, option, require_at_most
 
 
-@dataclass(frozen=True)
+@method_config
 class Dense2moeConfig:
     variant: Literal["lfuc", "prune_upcycle", "prune_only"] = option(
         "lfuc", "lfuc: Layer-Fusion Upcycling; prune_upcycle / prune_only: Table 5's baselines")
@@ -29,7 +28,7 @@ class Dense2moeConfig:
     checkpoint_every: int = option(50, "steps between checkpoints in the work folder (0: at the end only)", low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.warmup > self.steps:
             raise OptionError(f"warmup={self.warmup} must be <= steps={self.steps}")
         experts = self.num_copies + self.copies_per_pruned * (self.prune_layers or 1)

@@ -2,9 +2,9 @@
 model with the LM loss, through the shared loop (``moeify.training.loop``): AdamW (torch's defaults;
 the paper names no optimizer), a linear warm-up from 0 to ``lr`` over ``warmup`` steps, then a cosine
 decay to lr / 10 at the last step (the paper's 1e-4 -> 1e-5), random windows of the training text.
-No load-balancing loss: the paper names none, and in a development trial on stories260K (top-1, one
-removed layer) a Switch-style auxiliary loss of weight 0.1 kept the fused expert in use but raised the
-held-out perplexity of ``lfuc`` (7.50 against 7.37 without, 200 steps at lr 1e-4).
+No load-balancing loss: the paper names none, and on stories260K (top-1, one removed layer) a
+Switch-style auxiliary loss of weight 0.1 kept the fused expert in use but raised the held-out
+perplexity of ``lfuc`` (7.50 against 7.37 without, 200 steps at lr 1e-4).
 
 The peak learning rate is the one choice that decides Table 5's order at top-1 on stories260K (one
 removed layer, 100 steps of 4 x 512 tokens, about 7 passes over the 28.8k-token training slice;

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from transformers import PreTrainedConfig
 
-from moeify.options import OptionError, option, require_at_most
+from moeify.options import OptionError, method_config, option, require_at_most
 
 
-@dataclass(frozen=True)
+@method_config
 class DsmoeConfig:
     num_experts: int = option(8, "n: experts per MLP, contiguous neuron blocks (Eq. 6)", low=2)
     tau: float = option(0.5, "gate threshold (Eq. 7); also a runtime option of the converted model", low=0.0,
@@ -30,7 +29,7 @@ class DsmoeConfig:
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
     analyses: bool = option(True, "tau sweep (Table 4) and per-layer activation heatmap (Fig. 3)")
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.batch_size % self.grad_accum:
             raise OptionError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
 

@@ -13,7 +13,7 @@ from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.options import require_work_dir_for_resume
-from moeify.runtime.moe import ThresholdRouter
+from moeify.runtime.routers import ThresholdRouter
 
 
 def contiguous_partition(intermediate_size: int, num_experts: int) -> ExpertPartition:

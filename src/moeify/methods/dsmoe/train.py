@@ -44,7 +44,8 @@ from torch import Tensor, nn
 from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig
-from moeify.runtime.moe import SIGMOID_AT_ZERO, MoeMLP, passing_gates, rescaled_gate_weights
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import SIGMOID_AT_ZERO, passing_gates, rescaled_gate_weights
 from moeify.training.loop import Checkpointing, TrainPlan, lm_loss, train
 
 

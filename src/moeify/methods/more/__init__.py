@@ -24,8 +24,9 @@ the backbone and the chosen petal are computed.
 
 Variants (§E.1-E.3): ``backbone`` keeps, statically, the top channels by importance at the same
 budget (k_share + mean petal size per layer: MoRE-Backbone); ``random`` replaces the spectral petals by
-random ones of the same sizes, routing built the same way (MoRE-Random as the issue defines it; the
-paper's Table 6 instead routes randomly); ``naive`` spectrally clusters all channels of a layer into
+random ones of the same sizes, routing built the same way, so that it measures what the spectral
+clustering alone contributes (the paper's Table 6 MoRE-Random routes randomly instead, which changes
+the router as well); ``naive`` spectrally clusters all channels of a layer into
 n_c disjoint experts with no backbone, routed top-1 like MoRE, with n_c (closest to r) and the number
 of converted layers solved so that its PR matches the full variant's (Table 10).
 """

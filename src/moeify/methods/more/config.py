@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from transformers import PreTrainedConfig
@@ -11,10 +10,10 @@ from moeify.arch import DecoderAdapter
 from moeify.methods.more.layer_budget import (
     candidate_layers,
 )
-from moeify.options import OptionError, option, require_at_most
+from moeify.options import OptionError, method_config, option, require_at_most
 
 
-@dataclass(frozen=True)
+@method_config
 class MoreConfig:
     num_experts: int = option(4, "r: petals (routed experts) per layer", low=2)
     act_ratio: float = option(0.1, "rho_act: share of channels in each token's activation set", low=0.0, high=1.0,
@@ -31,7 +30,7 @@ class MoreConfig:
     max_size_ratio: float = option(1.5, "largest petal / mean petal size (§E.5)", low=1.0)
     variant: Literal["full", "backbone", "random", "naive"] = option("full", "ablation (Tables 6, 10, 11)")
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if (self.share_ratio is None) == (self.target_pr is None):
             raise OptionError(f"share_ratio={self.share_ratio} and target_pr={self.target_pr}: set exactly one "
                               "(target_pr=none to fix share_ratio yourself)")

@@ -28,7 +28,8 @@ from moeify.moe.build import moe_from_partition, static_layer
 from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
-from moeify.runtime.moe import MoeMLP, PrototypeRouter
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import PrototypeRouter
 
 
 def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:

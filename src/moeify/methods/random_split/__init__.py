@@ -4,16 +4,15 @@ runs without training). Every option is CMoE's; only the partition is fixed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from moeify.methods.base import Method
 from moeify.methods.cmoe.config import CmoeConfig, match_budget
 from moeify.methods.cmoe.convert import convert
-from moeify.options import option
+from moeify.options import method_config, option
 
 
-@dataclass(frozen=True)
+@method_config
 class RandomSplitConfig(CmoeConfig):
     partition: Literal["random"] = option("random", "fixed: shared and routed neurons drawn at random")
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from transformers import PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
-from moeify.options import option, require_at_most
+from moeify.options import method_config, option, require_at_most
 
 
-@dataclass(frozen=True)
+@method_config
 class StaticPruneConfig:
     active_ratio: float = option(0.5, "activated-parameter ratio to keep (APR over attention + MLP projections)",
                                  low=0.0, high=1.0, low_open=True)

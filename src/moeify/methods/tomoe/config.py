@@ -3,16 +3,15 @@ regulariser weights (the paper's defaults, Table 8 and §4)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from transformers import PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
-from moeify.options import option, require_at_most
+from moeify.options import method_config, option, require_at_most
 
 
-@dataclass(frozen=True)
+@method_config
 class TomoeConfig:
     num_experts: int = option(8, "N: experts per MLP (top-1 routed)", low=2)
     active_ratio: float = option(0.5, "p: activated share of the attention + MLP projections (Eq. 8)",

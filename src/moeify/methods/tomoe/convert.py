@@ -25,14 +25,15 @@ from moeify.calibration.data import calibration_batches
 from moeify.methods.base import ConversionContext
 from moeify.methods.tomoe.config import TomoeConfig
 from moeify.methods.tomoe.modules import EMBED_DIM, KEEP_BIAS
-from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learn
+from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
 from moeify.moe.accounting import layer_attention_counts
 from moeify.moe.build import expert_mlp
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.plots import training_curves
 from moeify.runtime.attention import HeadDimRouter
-from moeify.runtime.moe import ArgmaxRouter, MoeMLP
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import ArgmaxRouter
 
 CURVES_PNG = "tomoe_training.png"
 
@@ -42,8 +43,8 @@ def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
     if cfg.attention == "on" and (reason := head_dim_support(ctx.adapter.attention_module(0))):
         raise OptionError(f"attention=on is not possible for this model: {reason}; use attention=off")
     seq_len = cfg.effective_seq_len(ctx.model.config)
-    theta, masked, log = learn(ctx, cfg, seq_len)
-    structure = convert_(ctx, theta, masked, cfg, seq_len)
+    with learned_masks(ctx, cfg, seq_len) as (theta, masked, log):
+        structure = convert_(ctx, theta, masked, cfg, seq_len)
     curves = {name: log["curves"][key] for name, key in (("KD loss", "kd"), ("R_P", "r_p"), ("R_U", "r_u"),
                                                           ("R_L", "r_l"), ("T / T_total", "ratio"))}
     ctx.artifacts[CURVES_PNG] = training_curves(curves, title=f"ToMoE training (p = {cfg.active_ratio})")

@@ -18,6 +18,8 @@ distillation, Listing 1); the student pass routes and masks; then
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -79,13 +81,17 @@ class MaskedModel:
         self.total = sum(adapter.attention_params(i) + w.num_params for i, w in enumerate(self.weights))
         for i, mlp in enumerate(self.mlps):
             adapter.replace_mlp_(i, mlp)
+        self.restored = False
 
     def restore(self) -> None:
-        """The dense model again, no hooks."""
+        """The dense model again, no hooks (once: later calls do nothing)."""
+        if self.restored:
+            return
         for i, module in enumerate(self.dense):
             self.ctx.adapter.replace_mlp_(i, module)
         for masks in self.attention:
             masks.remove()
+        self.restored = True
 
     def set_embeddings(self, embeddings: Tensor) -> None:
         for i, mlp in enumerate(self.mlps):
@@ -127,20 +133,41 @@ def _fingerprint(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> dict
             "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
 
 
-def learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> tuple[TomoeModules, MaskedModel, dict[str, Any]]:
-    """Train Theta with the model frozen; returns Theta, the masked model (masks still in place) and the
-    training log (per-step KD loss, R_P, R_U, R_L, activated ratio)."""
-    with torch.random.fork_rng(devices=[]):  # Theta's init and the Gumbel noise: from the seed, caller's RNG untouched
-        torch.manual_seed(ctx.seed)
-        return _learn(ctx, cfg, seq_len)
-
-
-def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> tuple[TomoeModules, MaskedModel, dict[str, Any]]:
-    theta = TomoeModules(ctx, cfg).to(ctx.device)
-    frozen = [p for p in ctx.model.parameters() if p.requires_grad]
-    for p in frozen:
+@contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """The model's trainable parameters frozen inside the block (ToMoE keeps the weights), thawed after."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
         p.requires_grad_(False)
-    masked = MaskedModel(ctx, theta, cfg)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+@contextmanager
+def learned_masks(ctx: ConversionContext, cfg: TomoeConfig,
+                  seq_len: int) -> Iterator[tuple[TomoeModules, MaskedModel, dict[str, Any]]]:
+    """Train Theta with the model frozen; inside the block: Theta, the masked model (masks in place) and
+    the training log (per-step KD loss, R_P, R_U, R_L, activated ratio). The dense model comes back on
+    leaving the block, also when an exception escapes it (unless the block restored it itself)."""
+    masked = None
+    try:
+        with torch.random.fork_rng(devices=[]):  # Theta's init and the Gumbel noise from the seed; caller's RNG untouched
+            torch.manual_seed(ctx.seed)
+            theta = TomoeModules(ctx, cfg).to(ctx.device)
+            with frozen(ctx.model):
+                masked = MaskedModel(ctx, theta, cfg)
+                log = _learn(ctx, cfg, seq_len, theta, masked)
+        yield theta, masked, log
+    finally:
+        if masked is not None:
+            masked.restore()
+
+
+def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeModules,
+           masked: MaskedModel) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(theta.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def loss(_theta: nn.Module, batch: Tensor) -> dict[str, Tensor]:
@@ -158,16 +185,9 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> tuple[Tomo
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, checkpoint_every=cfg.checkpoint_every)
     checkpointing = None if ctx.work_dir is None else Checkpointing(
         ctx.work_dir / "tomoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
-    try:
-        log = train(theta, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
-                    device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
-                    desc="tomoe: learning experts and routers")
-    except BaseException:
-        masked.restore()
-        raise
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
+    log = train(theta, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
+                device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
+                desc="tomoe: learning experts and routers")
     theta.eval()
-    return theta, masked, {**log.summary(), "curves": log.as_dict()["parts"],
-                           "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
+    return {**log.summary(), "curves": log.as_dict()["parts"],
+            "checkpoints": None if checkpointing is None else str(checkpointing.folder)}

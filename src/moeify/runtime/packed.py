@@ -1,0 +1,109 @@
+"""The packed layout an MoE layer runs at inference: every expert's gate and up rows stacked in one
+(E, 2W, d) tensor zero-padded to one aligned width W, down projections (E, d, W), one grouped matmul per
+projection over the tokens sorted by expert, the shared part padded to an aligned width S. This is how
+transformers 5 and serving engines hold MoE experts, so a ``moeify export`` of the model computes the
+same float32 sums. Part of the runtime copied into every converted folder (imports torch only)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from .experts import ExpertMLP
+from .routers import Dispatch
+
+
+def aligned_width(width: int) -> int:
+    """A width rounded up to a multiple of 8 (rows of 16 bytes in 2-byte dtypes: what grouped_mm needs),
+    or of 64 where that is cheap, adding at most 1/16 of the width (the padding is computed, here and
+    in an export: 352 stays 352 rather than 384; 1376 becomes 1408)."""
+    by64 = -(-width // 64) * 64
+    return by64 if by64 - width <= width / 16 else -(-max(width, 1) // 8) * 8
+
+
+def packed_widths(expert_widths: list[int], shared_widths: list[int]) -> tuple[int, int]:
+    """(W, S) for all routed layers of one model: every routed expert is zero-padded to W, the shared
+    part to S (0: no shared part). The standard exports are sized by the same two numbers, so native
+    and exported layers compute alike."""
+    return aligned_width(max(expert_widths, default=1)), \
+        aligned_width(max(shared_widths)) if max(shared_widths, default=0) else 0
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """``x`` (rows sorted by expert; expert e's rows end at ``offsets[e]``) times ``weight[e].T``
+    (weight: (experts, out, in)) -> (rows, out): torch's grouped_mm, as transformers' experts run it,
+    or one matmul per expert where grouped_mm has no kernel (float64; older torch or GPUs)."""
+    grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped is not None and x.dtype in GROUPED_MM_DTYPES:
+        try:
+            return grouped(x, weight.transpose(-2, -1), offs=offsets)
+        except (RuntimeError, NotImplementedError):  # e.g. a GPU without a grouped_mm kernel
+            pass
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end], weight[e].T, out=out[start:end])
+        start = end
+    return out
+
+
+def _padded_rows(weight: Tensor, width: int) -> Tensor:
+    return F.pad(weight, (0, 0, 0, width - weight.shape[0])) if weight.dim() == 2 else \
+        F.pad(weight, (0, width - weight.shape[0]))
+
+
+class PackedExperts:
+    """A layer's MLP weights for inference, laid out as transformers 5 holds MoE experts (see the module
+    docstring): ``first`` (E, 2W, d), each expert's gate rows then its up rows (two-layer MLPs: (E, W, d),
+    up rows), ``first_bias`` likewise or None, ``down`` (E, d, W) times the router's ``expert_scale``,
+    all zero-padded to W; ``shared``: the shared part's (gate, up, gate bias, up bias, down) zero-padded
+    to S (gate and biases may be None), or None."""
+
+    def __init__(self, experts: list[ExpertMLP], shared: ExpertMLP | None, expert_scale: float,
+                 widths: tuple[int, int]) -> None:
+        width, shared_width = widths
+        neurons = [e.neurons for e in experts]
+        first = neurons[0]
+        self.act, self.gated = first.act, first.gated
+
+        def stacked_first(part: str) -> Tensor:  # part: "weight" or "bias"
+            rows = [[getattr(n.gate, part), getattr(n.up, part)] if n.gated else [getattr(n.up, part)]
+                    for n in neurons]
+            return torch.stack([torch.cat([_padded_rows(t, width) for t in pair]) for pair in rows])
+
+        with torch.no_grad():
+            self.first = stacked_first("weight")
+            self.first_bias = None if first.up.bias is None else stacked_first("bias")
+            scale = float(expert_scale)
+            downs = [e.down.weight * scale if scale != 1.0 else e.down.weight for e in experts]
+            self.down = torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs])
+            self.shared = None
+            if shared is not None:
+                n, pad = shared.neurons, lambda t: None if t is None else _padded_rows(t, shared_width)
+                self.shared = (None if n.gate is None else pad(n.gate.weight), pad(n.up.weight),
+                               None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
+                               F.pad(shared.down.weight, (0, shared_width - shared.width)))
+
+    def shared_output(self, x: Tensor) -> Tensor:
+        gate, up, gate_bias, up_bias, down = self.shared
+        h = F.linear(x, up, up_bias)
+        h = self.act(F.linear(x, gate, gate_bias)) * h if gate is not None else self.act(h)
+        return F.linear(h, down)
+
+    def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:
+        """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order."""
+        offsets = torch.cumsum(dispatch.counts, 0, dtype=torch.int32)
+        h = grouped_linear(x[dispatch.token], self.first, offsets)
+        if self.first_bias is not None:
+            h = h + self.first_bias[dispatch.expert]
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return grouped_linear(h, self.down, offsets) * dispatch.weight[:, None]

@@ -1,0 +1,344 @@
+"""Routers: what decides, per token, which experts of an MoE layer run and with what weight. Part of the
+runtime copied into every converted folder (imports torch only).
+
+Every router follows the ``Router`` protocol (no shared base class): ``kind`` (its key in ``ROUTERS``),
+``num_experts``, ``expert_scale`` (a constant the layer applies to every expert output), ``forward(x) ->
+Dispatch``, ``expected_experts()`` (routed experts per token under its nominal assumption, or None),
+``set_option(name, value)`` for runtime options, ``spec()`` (constructor arguments, rebuilt by
+``moe.build_moe_mlp``) and ``linear_form()``: the router as a linear top-k router ``x @ W.T`` that a
+standard MoE format computes, or ``NotLinear`` saying why it is not one. A ``Dispatch`` is a flat list
+of (token, expert, weight) triples sorted by expert, plus per-expert counts from ``torch.bincount``
+(which, unlike ``histc``, works for integers on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .experts import HiddenNeurons
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What every router returns. ``token``/``expert``/``weight`` are (n_pairs,) sorted by expert;
+    ``counts`` is (num_experts,) with the number of pairs per expert. A top-k router's dispatch also
+    has ``top_k`` and ``slot``: each pair's index in the flattened (tokens, k) choice matrix, so that
+    the expert outputs can be summed per token in slot order, as transformers does."""
+
+    token: Tensor
+    expert: Tensor
+    weight: Tensor
+    counts: Tensor
+    top_k: int | None = None
+    slot: Tensor | None = None
+
+    @staticmethod
+    def from_topk(indices: Tensor, weights: Tensor, num_experts: int) -> "Dispatch":
+        """indices, weights: (tokens, k) -> flat pairs sorted by expert with ``torch.sort``, the sort of
+        transformers' MoE experts (which order tokens within an expert's group changes float32 sums)."""
+        k = indices.shape[1]
+        flat_expert = indices.reshape(-1)
+        expert, slot = torch.sort(flat_expert)
+        return Dispatch(token=slot // k, expert=expert, weight=weights.reshape(-1)[slot],
+                        counts=torch.bincount(flat_expert, minlength=num_experts), top_k=k, slot=slot)
+
+    @staticmethod
+    def from_mask(active: Tensor, weights: Tensor) -> "Dispatch":
+        """active: (tokens, experts) bool, any number of experts per token (none included); weights:
+        (tokens, experts), read where active -> flat pairs sorted by expert (then token)."""
+        expert, token = active.T.nonzero(as_tuple=True)  # row-major order of (expert, token): sorted by expert
+        return Dispatch(token=token, expert=expert, weight=weights[token, expert],
+                        counts=torch.bincount(expert, minlength=active.shape[1]))
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """A router as standard MoE formats compute it: scores ``x @ weight.T`` (weight: (experts, d), float64),
+    the ``top_k`` best experts, each weighing 1 (``"unit"``) or its softmax probability (``"softmax"``)."""
+
+    weight: Tensor
+    top_k: int
+    weighting: Literal["unit", "softmax"]
+
+
+class NotLinear(ValueError):
+    """A router that no linear top-k router reproduces; ``distillable`` when a linear router fitted to its
+    decisions would (an approximation: ``moeify export --distill-router``)."""
+
+    def __init__(self, reason: str, distillable: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.distillable = reason, distillable
+
+
+class Router(Protocol):
+    kind: str
+    num_experts: int
+    expert_scale: float
+
+    def __call__(self, x: Tensor) -> Dispatch: ...
+
+    def spec(self) -> dict[str, Any]: ...
+
+    def expected_experts(self) -> float | None: ...
+
+    def set_option(self, name: str, value: Any) -> None: ...
+
+    def linear_form(self) -> LinearForm: ...
+
+
+def set_top_k(router: Router, name: str, value: Any) -> None:
+    """The runtime option of every top-k router: ``top_k`` in [1, num_experts]."""
+    if name != "top_k":
+        raise KeyError(f"router option {name!r} is unknown; options: top_k")
+    if not 1 <= int(value) <= router.num_experts:
+        raise ValueError(f"top_k={value} must be in [1, {router.num_experts}] (the routed experts)")
+    router.top_k = int(value)
+
+
+class RepresentativeRouter(nn.Module):
+    """CMoE's training-free router (Eq. 24-26) with its differentiable scores and load-balancing bias.
+
+    s = act(x W_gate^R) * (x W_up^R): the hidden states of each routed expert's representative neuron.
+    s' = softmax(s) (Eq. 29); experts chosen by TopK(s' + b) (Eq. 32); weight g = 1 + s' * u (Eq. 28).
+    ``u`` starts at zero (so g = 1, the un-scaled Eq. 17) and is learnable; ``b`` is a buffer moved by
+    ``update_bias`` after each training step (aux-loss-free balancing, Eq. 33).
+    """
+
+    kind = "representative"
+    expert_scale = 1.0
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, act: str, gated: bool, up_bias: bool,
+                 bias_speed: float = 0.001) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.bias_speed = num_experts, top_k, bias_speed
+        self.neurons = HiddenNeurons(hidden_size, num_experts, act, gated, up_bias)  # one per expert
+        self.u = nn.Parameter(torch.zeros(num_experts))
+        self.register_buffer("bias", torch.zeros(num_experts))
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k,
+                "bias_speed": self.bias_speed}
+
+    def expected_experts(self) -> float:
+        """Routed experts per token under the router's nominal (uniform-routing) assumption."""
+        return float(self.top_k)
+
+    def set_option(self, name: str, value: Any) -> None:
+        set_top_k(self, name, value)
+
+    def linear_form(self) -> LinearForm:
+        raise NotLinear("is not linear in x (its scores are the SwiGLU hidden values of representative neurons), "
+                        "and standard formats only compute linear scores x @ W.T", distillable=self.top_k == 1)
+
+    def forward(self, x: Tensor) -> Dispatch:
+        scores = torch.softmax(self.neurons(x).float(), dim=-1)  # s' (tokens, experts); Eq. 29
+        chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # Eq. 32
+        weight = 1.0 + scores.gather(-1, chosen) * self.u[chosen]  # g_i = 1 + s'_i u_i; Eq. 28
+        return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)
+
+    @torch.no_grad()
+    def update_bias(self, counts: Tensor) -> None:
+        """Eq. 33: lower the bias of overloaded experts by gamma, raise it for underloaded ones."""
+        load = counts.to(self.bias.device).float()
+        self.bias -= self.bias_speed * torch.sign(load - load.mean())
+
+
+class PrototypeRouter(nn.Module):
+    """MoRE's training-free router (Eq. 12-13): cosine similarity of the token to each expert's
+    prototype mu_i (the mean input of the calibration tokens assigned to it); the ``top_k`` most similar
+    experts run with unit weight (MoRE itself uses top-1)."""
+
+    kind = "prototype"
+    expert_scale = 1.0
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.eps = num_experts, top_k, eps
+        self.register_buffer("prototypes", torch.zeros(num_experts, hidden_size))
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k, "eps": self.eps}
+
+    def expected_experts(self) -> float:
+        return float(self.top_k)
+
+    def set_option(self, name: str, value: Any) -> None:
+        set_top_k(self, name, value)
+
+    def linear_form(self) -> LinearForm:
+        """The unit-length prototypes. The top-1 choice maximises ``x.mu_i / (|x| |mu_i| + eps)``; without eps
+        that is ``argmax_i x.(mu_i / |mu_i|)``, because |x| is the same for every expert. eps (1e-6) scales
+        cosine i by 1 - eps / (|x| |mu_i|), so it can only swap two experts whose cosines differ by less
+        than about that (1e-7 for |x| |mu_i| = 10): the float32 rounding of the cosine itself. So the
+        unit-length prototypes are an exact linear router up to rounding. A zero prototype stays zero
+        (similarity 0)."""
+        protos = self.prototypes.detach().double()
+        norms = protos.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(protos.dtype).tiny)
+        return LinearForm(protos / norms, self.top_k, "unit")
+
+    def similarity(self, x: Tensor) -> Tensor:
+        """sim(x, mu_i) = x.mu_i / (|x| |mu_i| + eps): (tokens, experts); Eq. 13. Always in float32, also
+        in a float64 copy of the model (the routing decisions are the model's, whatever its precision)."""
+        x, protos = x.float(), self.prototypes.float()
+        return (x @ protos.T) / (x.norm(dim=-1, keepdim=True) * protos.norm(dim=-1) + self.eps)
+
+    def forward(self, x: Tensor) -> Dispatch:
+        chosen = torch.topk(self.similarity(x), self.top_k, dim=-1).indices  # Eq. 12
+        return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
+
+
+SIGMOID_AT_ZERO = 0.5  # sigma(0): the gate value of an untrained DSMoE gate (Y = 0)
+
+
+def passing_gates(gates: Tensor, tau: float) -> Tensor:
+    """DSMoE's condition of G (Eq. 7), g_i >= tau: (tokens, experts) bool. The paper writes g > tau; the
+    two differ only where g equals tau exactly, which in practice happens only for untrained gates
+    (Y = 0, g = 1/2) at tau = 1/2: counting that tie as passing makes the untrained model at the default
+    tau the dense model, so training starts from it."""
+    return gates >= tau
+
+
+def rescaled_gate_weights(values: Tensor, active: Tensor) -> Tensor:
+    """DSMoE's expert weights (tokens, experts) from gate values already thresholded (G(g) of Eq. 7, or
+    its straight-through form S(g) of Eq. 10 while training): ``values / sigma(0) * n / |A|``.
+
+    n / |A| is Eq. 8's rescale by the number of active experts (|A| = 0 is taken as 1: a token whose
+    gates all stay below tau gets no expert, so its output is zero). Dividing the gate value by
+    sigma(0) = 1/2 makes an untrained gate (Y = 0) neutral, so that with every expert on the layer is
+    the dense MLP (Eq. 7 alone would halve it)."""
+    rescale = active.shape[-1] / active.sum(dim=-1, keepdim=True).clamp_min(1)  # n / |A|; Eq. 8
+    return values * (rescale / SIGMOID_AT_ZERO)
+
+
+class ThresholdRouter(nn.Module):
+    """DSMoE's router (Lv et al., 2025, Eq. 7-8): sigmoid gates g = sigma(x Y), Y in R^{d x n} (stored as
+    ``proj.weight``, (n, d)); expert i runs for a token when g_i >= tau, so the number of experts per token
+    varies (none included), weighted by ``rescaled_gate_weights``. ``tau`` is a runtime option; the
+    expert count per token depends on the data, so there is no nominal count (``expected_experts`` is
+    None) and the activated ratio is always measured."""
+
+    kind = "threshold"
+    expert_scale = 1.0
+
+    def __init__(self, hidden_size: int, num_experts: int, tau: float = 0.5, **_: Any) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tau = check_tau(tau)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        nn.init.zeros_(self.proj.weight)  # untrained gates: g = 1/2 for every token and expert
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "tau": self.tau}
+
+    def expected_experts(self) -> None:
+        """No nominal count: how many gates pass tau depends on the tokens."""
+        return None
+
+    def set_option(self, name: str, value: Any) -> None:
+        if name != "tau":
+            raise KeyError(f"router option {name!r} is unknown; options: tau")
+        self.tau = check_tau(value)
+
+    def linear_form(self) -> LinearForm:
+        raise NotLinear("chooses a token-dependent set of experts (the gates above tau) that no linear top-k router "
+                        "of a standard format reproduces")
+
+    def gates(self, x: Tensor) -> Tensor:
+        """g = sigma(x Y): (tokens, experts), in float32; Eq. 7."""
+        return torch.sigmoid(self.proj(x).float())
+
+    def forward(self, x: Tensor) -> Dispatch:
+        gates = self.gates(x)
+        active = passing_gates(gates, self.tau)  # the condition of G; Eq. 7
+        weights = rescaled_gate_weights(torch.where(active, gates, 0.0), active)  # Eq. 7-8
+        return Dispatch.from_mask(active, weights.to(x.dtype))
+
+
+def check_tau(value: Any) -> float:
+    """The threshold tau of a sigmoid gate, in [0, 1]."""
+    try:
+        tau = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"tau={value!r} is not a number") from None
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"tau={tau} is out of range; allowed: [0, 1] (a sigmoid gate value)")
+    return tau
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Dense2MoE's router (§2.1): p = softmax(x W_g), W_g in R^{d x E} (``proj.weight``, (E, d)); the
+    ``top_k`` most probable experts run, each weighted by p_i * E / k (the layer applies ``expert_scale``
+    E / k to the experts' outputs, the dispatch carries p_i). The paper's gate is p_i; the
+    constant E / k makes the weights of an untrained router (W_g ~ 0, p uniform) sum to 1, so the layer
+    starts at the scale of one dense MLP (identical copies then reproduce it exactly, as in sparse
+    upcycling) instead of at 1/E of it under top-1. A constant factor can be read as part of the
+    experts' down projections, so the model class is the paper's. p stays differentiable, so the
+    router learns even at top-1."""
+
+    kind = "softmax_topk"
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+
+    @property
+    def expert_scale(self) -> float:
+        """E / k, applied by the layer to the experts' outputs (the dispatch weights are p_i alone)."""
+        return self.num_experts / self.top_k
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k}
+
+    def expected_experts(self) -> float:
+        return float(self.top_k)
+
+    def set_option(self, name: str, value: Any) -> None:
+        set_top_k(self, name, value)
+
+    def linear_form(self) -> LinearForm:
+        """Softmax probabilities of a linear score; the constant E / k is the layer's ``expert_scale``."""
+        return LinearForm(self.proj.weight.detach().double(), self.top_k, "softmax")
+
+    def forward(self, x: Tensor) -> Dispatch:
+        probs = torch.softmax(self.proj(x).float(), dim=-1)  # p: (tokens, experts)
+        weight, chosen = torch.topk(probs, self.top_k, dim=-1)  # (tokens, k)
+        return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)
+
+
+class ArgmaxRouter(nn.Module):
+    """ToMoE's MLP router after conversion (Eq. 13): logits x W^T (``proj``, no bias), the ``top_k``
+    highest experts (top-1 in the paper) each with weight 1: G is one-hot and the expert output is not
+    scaled."""
+
+    kind = "argmax"
+    expert_scale = 1.0
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k}
+
+    def expected_experts(self) -> float:
+        return float(self.top_k)
+
+    def set_option(self, name: str, value: Any) -> None:
+        set_top_k(self, name, value)
+
+    def linear_form(self) -> LinearForm:
+        return LinearForm(self.proj.weight.detach().double(), self.top_k, "unit")
+
+    def forward(self, x: Tensor) -> Dispatch:
+        chosen = self.proj(x).topk(self.top_k, dim=-1).indices
+        return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
+
+
+ROUTERS: dict[str, type[nn.Module]] = {router.kind: router for router in (
+    RepresentativeRouter, PrototypeRouter, ThresholdRouter, SoftmaxTopKRouter, ArgmaxRouter)}

@@ -1,0 +1,103 @@
+"""The architecture's promises, checked on the source tree: the layer order (import-linter), small files,
+and method knowledge kept in its package (a sixth method or a new router touches nothing outside it)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import shutil
+import subprocess
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from moeify.methods import METHODS
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = ROOT / "src" / "moeify"
+MAX_LINES = 400
+
+
+def source_files() -> list[Path]:
+    return sorted(SOURCE.rglob("*.py"))
+
+
+def code_tokens(path: Path) -> list[tokenize.TokenInfo]:
+    """The file's names and string literals, without comments and docstrings (prose may cite papers)."""
+    text = path.read_text()
+    docstrings = {node.body[0].value.lineno for node in ast.walk(ast.parse(text))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)}
+    return [tok for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+            if tok.type == tokenize.NAME or (tok.type == tokenize.STRING and tok.start[0] not in docstrings)]
+
+
+def mentions(path: Path, names: set[str]) -> set[str]:
+    """Which of ``names`` the file's code uses: as an identifier (an import path included) or as a whole
+    string literal."""
+    found = set()
+    for tok in code_tokens(path):
+        if tok.type == tokenize.NAME and tok.string in names:
+            found.add(tok.string)
+        elif tok.type == tokenize.STRING:
+            try:
+                value = ast.literal_eval(tok.string)
+            except (ValueError, SyntaxError):  # f-strings
+                continue
+            if isinstance(value, str):
+                found |= {name for name in names if value == name or f"methods.{name}" in value}
+    return found
+
+
+def router_classes() -> set[str]:
+    runtime = "\n".join(p.read_text() for p in (SOURCE / "runtime").glob("*.py"))
+    return set(re.findall(r"^class (\w+Router)\b", runtime, re.M))
+
+
+def owner(path: Path) -> str:
+    """``methods/<name>/...`` -> name; the registry and every other file -> ''."""
+    parts = path.relative_to(SOURCE).parts
+    return parts[1] if parts[0] == "methods" and len(parts) > 2 else ""
+
+
+def test_the_layer_order_and_acyclic_imports_hold():
+    """The contracts in pyproject.toml: cli -> api -> methods | report -> loading -> export | training |
+    evaluation -> moe -> calibration -> arch -> runtime -> base modules, and no import circle."""
+    command = shutil.which("lint-imports")
+    assert command, "import-linter is a dev dependency: pip install -e '.[dev]'"
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": str(Path(command).parent)}
+    result = subprocess.run([command, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "BROKEN" not in result.stdout
+
+
+@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(SOURCE)))
+def test_no_source_file_is_over_400_lines(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+def test_method_names_appear_only_in_their_packages_and_the_registry():
+    """Core, api, export, report and cli never name a method: what they need of one (its budget
+    matcher, runtime options, analyses) they get from its ``Method``. A baseline package may build on
+    the method it varies (random_split on cmoe)."""
+    names = {method.name for method in METHODS}
+    offenders = {str(path.relative_to(SOURCE)): sorted(found) for path in source_files()
+                 if path.relative_to(SOURCE).parts[0] != "methods" and (found := mentions(path, names))}
+    assert offenders == {}
+
+
+def test_router_classes_appear_only_in_the_runtime_and_one_method_package():
+    routers = router_classes()
+    assert {"RepresentativeRouter", "PrototypeRouter", "ThresholdRouter"} <= routers  # the scan sees them
+    users: dict[str, set[str]] = {}
+    for path in source_files():
+        top = path.relative_to(SOURCE).parts[0]
+        for name in mentions(path, routers):
+            users.setdefault(name, set()).add("runtime" if top == "runtime" else owner(path) or str(path))
+    shared = {name: sorted(where - {"runtime"}) for name, where in users.items() if len(where - {"runtime"}) > 1}
+    outside = {name: sorted(w for w in where if "/" in w) for name, where in users.items() if any("/" in w for w in where)}
+    assert shared == {} and outside == {}
