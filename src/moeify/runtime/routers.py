@@ -90,6 +90,16 @@ class Router(Protocol):
     def linear_form(self) -> LinearForm: ...
 
 
+def top_k_spec(router: Router, **extra: Any) -> dict[str, Any]:
+    """``spec()`` of a top-k router: its kind, expert count, k and its own extra arguments."""
+    return {"kind": router.kind, "num_experts": router.num_experts, "top_k": router.top_k, **extra}
+
+
+def top_k_experts(router: Router) -> float:
+    """``expected_experts()`` of a top-k router: k routed experts for every token."""
+    return float(router.top_k)
+
+
 def set_top_k(router: Router, name: str, value: Any) -> None:
     """The runtime option of every top-k router: ``top_k`` in [1, num_experts]."""
     if name != "top_k":
@@ -119,16 +129,11 @@ class RepresentativeRouter(nn.Module):
         self.u = nn.Parameter(torch.zeros(num_experts))
         self.register_buffer("bias", torch.zeros(num_experts))
 
+    expected_experts = top_k_experts
+    set_option = set_top_k
+
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k,
-                "bias_speed": self.bias_speed}
-
-    def expected_experts(self) -> float:
-        """Routed experts per token under the router's nominal (uniform-routing) assumption."""
-        return float(self.top_k)
-
-    def set_option(self, name: str, value: Any) -> None:
-        set_top_k(self, name, value)
+        return top_k_spec(self, bias_speed=self.bias_speed)
 
     def linear_form(self) -> LinearForm:
         raise NotLinear("is not linear in x (its scores are the SwiGLU hidden values of representative neurons), "
@@ -160,14 +165,11 @@ class PrototypeRouter(nn.Module):
         self.num_experts, self.top_k, self.eps = num_experts, top_k, eps
         self.register_buffer("prototypes", torch.zeros(num_experts, hidden_size))
 
+    expected_experts = top_k_experts
+    set_option = set_top_k
+
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k, "eps": self.eps}
-
-    def expected_experts(self) -> float:
-        return float(self.top_k)
-
-    def set_option(self, name: str, value: Any) -> None:
-        set_top_k(self, name, value)
+        return top_k_spec(self, eps=self.eps)
 
     def linear_form(self) -> LinearForm:
         """The unit-length prototypes. The top-1 choice maximises ``x.mu_i / (|x| |mu_i| + eps)``; without eps
@@ -291,14 +293,9 @@ class SoftmaxTopKRouter(nn.Module):
         """E / k, applied by the layer to the experts' outputs (the dispatch weights are p_i alone)."""
         return self.num_experts / self.top_k
 
-    def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k}
-
-    def expected_experts(self) -> float:
-        return float(self.top_k)
-
-    def set_option(self, name: str, value: Any) -> None:
-        set_top_k(self, name, value)
+    spec = top_k_spec
+    expected_experts = top_k_experts
+    set_option = set_top_k
 
     def linear_form(self) -> LinearForm:
         """Softmax probabilities of a linear score; the constant E / k is the layer's ``expert_scale``."""
@@ -323,14 +320,9 @@ class ArgmaxRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.proj = nn.Linear(hidden_size, num_experts, bias=False)
 
-    def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_experts": self.num_experts, "top_k": self.top_k}
-
-    def expected_experts(self) -> float:
-        return float(self.top_k)
-
-    def set_option(self, name: str, value: Any) -> None:
-        set_top_k(self, name, value)
+    spec = top_k_spec
+    expected_experts = top_k_experts
+    set_option = set_top_k
 
     def linear_form(self) -> LinearForm:
         return LinearForm(self.proj.weight.detach().double(), self.top_k, "unit")
