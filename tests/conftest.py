@@ -1,18 +1,17 @@
-"""Shared fixtures: tiny models from configs, the embedded tokenizer and texts, and ../shared assets."""
+"""Shared fixtures: the embedded stories260K model, tokenizer and texts, conversion contexts, and the
+../shared assets. Plain helpers (tiny models, ``clone``, constants) live in ``tests/helpers/``."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
-import torch
 
 from moeify.api import load_model
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, read_text
 from moeify.methods import ConversionContext
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
+from tests.helpers.conversion import conversion_context
+from tests.helpers.data import SHARED, write_held_out
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +37,10 @@ def eval_text():
 
 @pytest.fixture()
 def make_ctx(tokenizer, calib_text):
+    """``make_ctx(model, seed=0)``: a CPU conversion context on ``model`` with the embedded tokenizer and
+    calibration slice."""
     def make(model, seed: int = 0) -> ConversionContext:
-        return ConversionContext(model, tokenizer, calib_text, seed, torch.device("cpu"), progress=False)
+        return conversion_context(model, tokenizer, calib_text, seed)
     return make
 
 
@@ -50,18 +51,7 @@ def shared_assets() -> Path:
     return SHARED
 
 
-def clone(model):
-    return copy.deepcopy(model).eval()
-
-
-EMBEDDED_PARAGRAPHS = 567  # tinystories_calib.txt + tinystories_eval.txt are paragraphs [0, 567) of the dev file
-
-
 @pytest.fixture(scope="session")
 def held_out(shared_assets, tmp_path_factory) -> Path:
     """600 TinyStories paragraphs from ../shared that are in neither embedded slice (never calibrated on)."""
-    text = (shared_assets / "data" / "tinystories" / "tinystories_valid_dev.txt").read_text()
-    paragraphs = text.split("\n\n")[EMBEDDED_PARAGRAPHS:]
-    path = tmp_path_factory.mktemp("heldout") / "tinystories_heldout.txt"
-    path.write_text("\n\n".join(paragraphs[:600]))
-    return path
+    return write_held_out(shared_assets, tmp_path_factory.mktemp("heldout"), 600)

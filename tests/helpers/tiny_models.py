@@ -34,6 +34,10 @@ KV_HEADS = 2
 VOCAB = 128
 MAX_POS = 128
 
+# Overrides for a tiny model fed by the embedded stories260K tokenizer (ids up to 511) and calibrated
+# on windows of up to 256 tokens: ``tiny_model(family, **STORIES_VOCAB)``.
+STORIES_VOCAB: dict[str, int] = dict(vocab_size=512, max_position_embeddings=256)
+
 _COMMON: dict[str, Any] = dict(
     hidden_size=HIDDEN,
     intermediate_size=INTERMEDIATE,

@@ -15,6 +15,8 @@ import pytest
 
 import moeify
 
+pytestmark = pytest.mark.slow  # the real stories260K checkpoint, held-out evaluation
+
 VARIANTS = ("lfuc", "prune_upcycle", "prune_only")
 
 

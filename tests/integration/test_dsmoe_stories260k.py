@@ -14,6 +14,8 @@ import moeify
 from moeify.calibration.data import read_text
 from moeify.methods.dsmoe.analysis import tau_sweep
 
+pytestmark = pytest.mark.slow  # the real stories260K checkpoint, held-out evaluation
+
 
 def test_untrained_conversion_with_every_gate_on_is_the_dense_model(held_out):
     record = moeify.convert(None, "dsmoe", {"steps": 0, "tau": 0.0, "analyses": False}, eval=held_out,

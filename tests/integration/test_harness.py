@@ -19,6 +19,8 @@ from moeify.cli.main import main
 from moeify.evaluation.harness import run_tasks
 from moeify.evaluation.tasks.utils import clean_hellaswag
 
+pytestmark = pytest.mark.slow  # zero-shot tasks on the real stories260K checkpoint
+
 
 @pytest.fixture(scope="module")
 def task_data(shared_assets: Path) -> Path:

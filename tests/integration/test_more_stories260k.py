@@ -1,6 +1,10 @@
 """MoRE on the real stories260K checkpoint at PR ~ 0.2, evaluated on held-out TinyStories text."""
 
+import pytest
+
 import moeify
+
+pytestmark = pytest.mark.slow  # the real stories260K checkpoint, held-out evaluation
 
 
 def test_full_beats_its_ablations_at_the_same_budget(held_out):

@@ -5,6 +5,8 @@ import pytest
 
 import moeify
 
+pytestmark = pytest.mark.slow  # the real stories260K checkpoint, held-out evaluation
+
 
 @pytest.mark.parametrize("spec", ["S1A1E8", "S2A2E16"])
 def test_training_free_cmoe_beats_random_split(held_out, spec):

@@ -6,6 +6,8 @@ import pytest
 
 import moeify
 
+pytestmark = pytest.mark.slow  # the real stories260K checkpoint, held-out evaluation
+
 
 def test_tomoe_meets_the_budget_and_beats_static_pruning_at_the_same_activated_parameters(held_out, tmp_path):
     tomoe = moeify.convert(None, "tomoe", {"active_ratio": "0.5"}, eval=held_out, measure_speed=False)  # defaults

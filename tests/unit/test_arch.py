@@ -18,7 +18,7 @@ from moeify.arch import (
     UnsupportedFamilyError,
     family_for,
 )
-from tests.tiny_models import FAMILY_NAMES, HIDDEN, INTERMEDIATE, LAYERS, tiny_config, tiny_model
+from tests.helpers.tiny_models import FAMILY_NAMES, HIDDEN, INTERMEDIATE, LAYERS, tiny_config, tiny_model
 
 # Every family as built, plus LLaMA with MLP biases so a gated MLP with gate/up/down biases is covered.
 CASES = [pytest.param(f, {}, id=f) for f in FAMILY_NAMES] + [

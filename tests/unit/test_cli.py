@@ -1,16 +1,45 @@
 """The command line contract: convert, eval, methods, and clear errors before heavy work."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from moeify.cli.main import main
+from moeify.methods import METHODS
+
+README = Path(__file__).parents[2] / "README.md"
 
 
 def test_methods_lists_every_method_with_paper_and_options(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "cmoe:" in out and "arXiv:2502.04416" in out and "top_k" in out and "spec" in out
+
+
+def methods_markdown(capsys) -> str:
+    assert main(["methods", "--markdown"]) == 0
+    return capsys.readouterr().out
+
+
+def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsys):
+    sections = methods_markdown(capsys).split("### ")[1:]
+    assert [section.split("\n", 1)[0] for section in sections] == [f"`{method.name}`" for method in METHODS]
+    for method, section in zip(METHODS, sections):
+        assert method.paper in section and "| option | type | default | meaning |" in section
+        rows = [line for line in section.splitlines() if line.startswith("| `")]
+        assert [row.split(" | ")[0] for row in rows] == [f"| `{f.name}`" for f in dataclasses.fields(method.config_cls)]
+        assert all(row.count(" | ") == 3 for row in rows), rows  # a bare | in a cell would add a column
+
+
+def test_readme_method_options_are_the_generated_ones(capsys):
+    text = README.read_text()
+    start, end = "<!-- methods:start -->\n", "<!-- methods:end -->"
+    assert text.count(start) == 1 and text.count(end) == 1
+    block = text.split(start, 1)[1].split(end, 1)[0]
+    assert block == methods_markdown(capsys), \
+        "README.md's method options differ from the code: paste `moeify methods --markdown` between the markers"
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ from moeify.methods.cmoe.convert import atopk_markers, carve, convert
 from moeify.moe.accounting import moe_layers
 from moeify.options import OptionError, build_config
 from moeify.runtime.moe import MoeMLP
-from tests.conftest import clone
-from tests.tiny_models import FAMILY_NAMES, tiny_model
-
-TINY = dict(vocab_size=512, max_position_embeddings=256)
+from tests.helpers.conversion import clone
+from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
 
 
 def converted(family: str, make_ctx, **options):
-    dense = tiny_model(family, **TINY)
+    dense = tiny_model(family, **STORIES_VOCAB)
     moe = clone(dense)
     cfg = build_config(CmoeConfig, {"calib_samples": 4, "seq_len": 64, **options})
     details = convert(make_ctx(moe), cfg)

@@ -16,16 +16,17 @@ from moeify.methods.dense2moe.build import Span, expert_sources, fold_mlp_norm, 
 from moeify.methods.dense2moe.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.options import OptionError, build_config
-from moeify.runtime.moe import MoeMLP, SoftmaxTopKRouter
-from tests.conftest import clone
-from tests.tiny_models import FAMILY_NAMES, tiny_model
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import SoftmaxTopKRouter
+from tests.helpers.conversion import clone
+from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
 
 FAST = {"calib_samples": 4, "seq_len": 64, "steps": 0, "warmup": 0}
 IDS = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
 def five_layers(family: str):
-    return tiny_model(family, num_hidden_layers=5, vocab_size=512, max_position_embeddings=256)
+    return tiny_model(family, num_hidden_layers=5, **STORIES_VOCAB)
 
 
 S_L = [[1.0, 0.9, 0.7, 0.5], [0.9, 1.0, 0.95, 0.8], [0.7, 0.95, 1.0, 0.85], [0.5, 0.8, 0.85, 1.0]]
@@ -92,7 +93,7 @@ def test_softmax_router_weights_and_identical_copies():
 
 
 def _expert_like(linear):
-    from moeify.runtime.moe import ExpertMLP
+    from moeify.runtime.experts import ExpertMLP
 
     expert = ExpertMLP(8, 8, "silu", gated=False, up_bias=True)
     expert.load_state_dict({"neurons.up.weight": linear.weight, "neurons.up.bias": linear.bias,

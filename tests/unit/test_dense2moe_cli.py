@@ -12,7 +12,8 @@ from moeify.methods.dense2moe import DENSE2MOE, Dense2moeConfig
 from moeify.methods.dense2moe.convert import convert
 from moeify.moe.accounting import removed_layers
 from moeify.options import OptionError, build_config
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
+from tests.helpers.weights import assert_same_weights
 
 
 def test_analyze_writes_matrices_heatmaps_and_record(tmp_path, capsys):
@@ -81,7 +82,6 @@ def test_a_killed_fine_tuning_resumes_through_the_work_folder(make_ctx, tmp_path
             run(tmp_path)
     resumed, details = run(tmp_path, resume="true")
     assert details["finetune"]["resumed_from"] == 2 and len(details["finetune"]["losses"]) == 4
-    for a, b in zip(reference.model.parameters(), resumed.model.parameters()):
-        assert torch.equal(a, b)
+    assert_same_weights(resumed.model, reference.model)
     with pytest.raises(ValueError, match=r"cannot resume .*\(steps: 4 -> 6\)"):  # the schedule depends on steps
         run(tmp_path, steps=6, resume="true")

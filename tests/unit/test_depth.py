@@ -6,7 +6,7 @@ import torch
 from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import activated_parameters, removed_layers
 from moeify.moe.depth import remove_layers
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
 
 
 def test_removal_renumbers_cache_slots_and_config_and_keeps_the_dense_total():

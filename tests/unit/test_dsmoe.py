@@ -12,19 +12,19 @@ from moeify.methods.dsmoe.train import DsmoeTrainingMLP, sparsity_term
 from moeify.moe.accounting import moe_layers, nominal_activated_parameters
 from moeify.moe.build import moe_from_partition
 from moeify.options import OptionError, build_config
-from moeify.runtime.moe import MoeMLP, ThresholdRouter
-from tests.conftest import clone
-from tests.killing import kill_in_step
-from tests.tiny_models import FAMILY_NAMES, tiny_model
-from tests.unit.test_moe_layer import random_mlp
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import ThresholdRouter
+from tests.helpers.conversion import clone
+from tests.helpers.killing import kill_in_step
+from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
+from tests.helpers.weights import assert_same_weights, random_mlp
 
-TINY = dict(vocab_size=512, max_position_embeddings=256)
 IDS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
 FAST = dict(seq_len=32, batch_size=2, analyses=False)
 
 
 def converted(family, make_ctx, work_dir=None, **options):
-    dense = tiny_model(family, **TINY)
+    dense = tiny_model(family, **STORIES_VOCAB)
     ctx = dataclasses.replace(make_ctx(clone(dense)), work_dir=work_dir)
     details = convert(ctx, build_config(DsmoeConfig, {**FAST, **options}))
     return dense, ctx, details
@@ -147,9 +147,7 @@ def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_pat
         converted("qwen2", make_ctx, work_dir=tmp_path / "b", **options)
     _, resumed, details = converted("qwen2", make_ctx, work_dir=tmp_path / "b", resume=True, **options)
     assert details["training"]["resumed_from"] == 2
-    expected = reference.model.state_dict()
-    for key, value in resumed.model.state_dict().items():
-        assert torch.equal(value, expected[key]), key
+    assert_same_weights(resumed.model, reference.model)
 
 
 @pytest.mark.parametrize("options,message", [

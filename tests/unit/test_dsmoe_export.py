@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 import moeify
 from moeify.cli.main import main
 
+pytestmark = pytest.mark.slow  # a DSMoE conversion of stories260K with training and analyses (~8 s)
+
 FAST = ["--set", "steps=3", "--set", "seq_len=64", "--set", "batch_size=2", "--set", "checkpoint_every=2"]
 
 

@@ -11,8 +11,8 @@ from moeify.evaluation.perplexity import perplexity
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import activated_parameters, tracking_routing
-from tests.conftest import clone
-from tests.tiny_models import tiny_model
+from tests.helpers.conversion import clone
+from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
 
 def _direct_nll(model, ids: list[int], seq_len: int, stride: int) -> tuple[float, int]:
@@ -69,7 +69,7 @@ def test_sliding_and_bos_per_doc_protocols(stories, eval_text):
 
 
 def test_activated_parameters_by_hand(make_ctx):
-    model = tiny_model("llama", vocab_size=512, max_position_embeddings=256)
+    model = tiny_model("llama", **STORIES_VOCAB)
     ctx = make_ctx(model)
     convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
     d, d_h, layers = 64, 88, 2

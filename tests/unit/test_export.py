@@ -13,20 +13,20 @@ from moeify.files import OutputExistsError, atomic_dir
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import moe_layers
-from tests.remote import logits_without_moeify
-from tests.tiny_models import FAMILY_NAMES, tiny_model
+from tests.helpers.remote import logits_without_moeify
+from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
 
 IDS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
 
 
 def model_dense_logits(family: str) -> torch.Tensor:
     with torch.no_grad():
-        return tiny_model(family, vocab_size=512, max_position_embeddings=256)(IDS).logits
+        return tiny_model(family, **STORIES_VOCAB)(IDS).logits
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_save_then_load_gives_identical_logits(family, make_ctx, tokenizer, tmp_path):
-    model = tiny_model(family, vocab_size=512, max_position_embeddings=256)
+    model = tiny_model(family, **STORIES_VOCAB)
     ctx = make_ctx(model)
     convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
     with torch.no_grad():
@@ -50,8 +50,9 @@ def test_save_then_load_gives_identical_logits(family, make_ctx, tokenizer, tmp_
         torch.testing.assert_close(loaded(IDS).logits, model_dense_logits(family), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # a fresh Python process loads transformers (~3 s)
 def test_remote_code_needs_no_moeify(make_ctx, tokenizer, tmp_path):
-    model = tiny_model("qwen2", vocab_size=512, max_position_embeddings=256)
+    model = tiny_model("qwen2", **STORIES_VOCAB)
     ctx = make_ctx(model)
     convert(ctx, CmoeConfig(calib_samples=4, seq_len=64))
     out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "out")
@@ -61,7 +62,7 @@ def test_remote_code_needs_no_moeify(make_ctx, tokenizer, tmp_path):
 
 
 def test_plain_loading_without_trust_remote_code_fails_loudly(make_ctx, tokenizer, tmp_path):
-    ctx = make_ctx(tiny_model("llama", vocab_size=512, max_position_embeddings=256))
+    ctx = make_ctx(tiny_model("llama", **STORIES_VOCAB))
     convert(ctx, CmoeConfig(calib_samples=4, seq_len=64))
     out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "out")
     with pytest.raises(ValueError, match="trust_remote_code"):

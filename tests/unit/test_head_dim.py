@@ -9,9 +9,9 @@ from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import activated_parameters
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter, PrunedAttention
-from tests.conftest import clone
-from tests.remote import logits_without_moeify
-from tests.tiny_models import tiny_model
+from tests.helpers.conversion import clone
+from tests.helpers.remote import logits_without_moeify
+from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0))
 HD = 16  # tiny models: hidden 64, 4 heads
@@ -82,11 +82,17 @@ def test_static_and_routed_pruning_equal_masked_dense_attention(family):
     assert not torch.allclose(expected, tiny_model(family)(IDS).logits, atol=1e-3)  # pruning did something
 
 
-def test_cached_generation_save_load_and_counting(tokenizer, tmp_path):
-    model = tiny_model("llama", vocab_size=512, max_position_embeddings=256)
-    total = activated_parameters(model).total_params
+def routed_model():
+    """A tiny LLaMA keeping Q/K RoPE pairs 1, 2 and 5 of every head and routing V/O to 4 of 16 dimensions."""
+    model = tiny_model("llama", **STORIES_VOCAB)
     torch.manual_seed(1)
     _prune(model, torch.tensor([1, 2, 5]), routers=[HeadDimRouter(64, HD, embed_dim=8, top_k=4) for _ in range(2)])
+    return model
+
+
+def test_cached_generation_save_load_and_counting(tokenizer, tmp_path):
+    total = activated_parameters(tiny_model("llama", **STORIES_VOCAB)).total_params
+    model = routed_model()
     ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         cached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
@@ -103,6 +109,15 @@ def test_cached_generation_save_load_and_counting(tokenizer, tmp_path):
     with torch.no_grad():
         expected = model(ids).logits
         assert torch.equal(loaded(ids).logits, expected)
+
+
+@pytest.mark.slow  # a fresh Python process loads transformers (~3 s)
+def test_saved_folder_computes_without_moeify(tokenizer, tmp_path):
+    model = routed_model()
+    ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    out = moeify.save(ConversionResult(model, tokenizer, {"method": "test"}), tmp_path / "out")
+    with torch.no_grad():
+        expected = model(ids).logits
     assert torch.allclose(logits_without_moeify(out, ids, tmp_path), expected, atol=1e-5, rtol=0)  # moeify_attention.py
 
 

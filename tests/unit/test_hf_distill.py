@@ -13,14 +13,12 @@ from moeify.cli.main import main
 from moeify.export.hf_distill import agreement, fit_linear_router
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
-from tests.conftest import clone
+from tests.helpers.conversion import clone, conversion_context
 
 
 @pytest.fixture(scope="module")
 def cmoe_folder(stories, tokenizer, calib_text, tmp_path_factory):
-    from moeify.methods import ConversionContext
-
-    ctx = ConversionContext(clone(stories[0]), tokenizer, calib_text, 0, torch.device("cpu"), progress=False)
+    ctx = conversion_context(clone(stories[0]), tokenizer, calib_text)
     convert(ctx, CmoeConfig(calib_samples=4, seq_len=64))  # S1A1E8: top-1 over 8 routed experts
     result = ConversionResult(ctx.model, tokenizer, {"method": "cmoe"})
     return moeify.save(result, tmp_path_factory.mktemp("cmoe") / "native")
@@ -35,6 +33,7 @@ def test_export_without_distillation_says_why_and_what_to_do(cmoe_folder, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # 200 distillation steps on 5 layers and two perplexity evaluations (~4 s)
 def test_distilled_export_reports_agreement_and_perplexity_change(cmoe_folder, tmp_path, capsys):
     out = tmp_path / "glm"
     assert main(["export", str(cmoe_folder), "--format", "glm4_moe", "--out", str(out), "--distill-router", "200"]) == 0

@@ -25,7 +25,9 @@ from moeify.calibration.data import EMBEDDED_EVAL, read_text, token_stream
 from moeify.cli.main import main
 from moeify.export.hf_export import EXPORTERS
 from moeify.moe.accounting import moe_layers
-from tests.remote import plain_logits
+from tests.helpers.remote import plain_logits
+
+pytestmark = pytest.mark.slow  # three conversions of stories260K with training, and exports (~15 s)
 
 FORMATS = tuple(EXPORTERS)
 FP32_TOLERANCE = 1e-5  # the bound

@@ -15,8 +15,9 @@ from moeify.export import hf_formats, hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition
-from moeify.runtime.moe import Dispatch, PrototypeRouter, ThresholdRouter, aligned_width
-from tests.tiny_models import tiny_model
+from moeify.runtime.packed import aligned_width
+from moeify.runtime.routers import Dispatch, LinearForm, PrototypeRouter, ThresholdRouter
+from tests.helpers.tiny_models import tiny_model
 
 FORMATS = tuple(EXPORTERS)
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -25,17 +26,19 @@ SHARED, WIDTHS = 24, (22, 18, 14, 10)  # 88 neurons: unequal experts, as MoRE an
 
 class LinearTopK(nn.Module):
     """A router with a linear score (what Dense2MoE's softmax router and ToMoE's are), as the exporter
-    expects one: ``linear_score_weight()`` and ``weighting``; softmax weights are not renormalised."""
+    expects one: ``linear_form()`` (score weight, ``top_k``, ``weighting``) and ``expert_scale``; softmax
+    weights are not renormalised."""
 
     kind = "test_linear"
+    expert_scale = 1.0
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, weighting: str) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.weighting = num_experts, top_k, weighting
         self.proj = nn.Linear(hidden, num_experts, bias=False)
 
-    def linear_score_weight(self) -> torch.Tensor:
-        return self.proj.weight
+    def linear_form(self) -> LinearForm:
+        return LinearForm(self.proj.weight.detach().double(), self.top_k, self.weighting)
 
     def forward(self, x: torch.Tensor) -> Dispatch:
         scores = self.proj(x).float()

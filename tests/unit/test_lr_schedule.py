@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moeify.training.loop import Checkpointing, TrainPlan, WarmupCosine, train, warmup_cosine
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
+from tests.helpers.weights import assert_same_weights
 
 STREAM = torch.randint(3, 128, (2000,), generator=torch.Generator().manual_seed(0))
 
@@ -46,5 +47,4 @@ def test_the_loop_follows_the_schedule_and_resumes_on_it(tmp_path):
         run(6, tmp_path, kill_at=3)  # checkpoint at step 2
     resumed, later = run(6, tmp_path, resume=True)
     assert later == pytest.approx(rates[2:])
-    for a, b in zip(reference.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
+    assert_same_weights(resumed, reference)

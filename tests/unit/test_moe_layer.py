@@ -6,15 +6,10 @@ import torch
 from moeify.arch.mlp import MlpWeights
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
-from moeify.runtime.moe import Dispatch, ExpertMLP, MoeMLP, RepresentativeRouter
-
-
-def random_mlp(d=16, d_h=30, gated=True, bias=False, seed=0) -> MlpWeights:
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: 0.3 * torch.randn(*s, generator=g)  # noqa: E731
-    return MlpWeights(up=r(d_h, d), down=r(d, d_h), act="silu" if gated else "gelu", gate=r(d_h, d) if gated else None,
-                      up_bias=r(d_h) if bias else None, gate_bias=r(d_h) if (bias and gated) else None,
-                      down_bias=r(d) if bias else None)
+from moeify.runtime.experts import ExpertMLP
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import Dispatch, RepresentativeRouter
+from tests.helpers.weights import random_mlp
 
 
 def layer_for(mlp: MlpWeights, shared: int, experts: int, top_k: int) -> MoeMLP:
@@ -99,7 +94,7 @@ def test_expert_widths_may_differ_and_spec_roundtrips():
 
 
 def _threshold_layer(mlp: MlpWeights) -> MoeMLP:
-    from moeify.runtime.moe import ThresholdRouter
+    from moeify.runtime.routers import ThresholdRouter
 
     layer = layer_for(mlp, shared=0, experts=5, top_k=1)
     router = ThresholdRouter(mlp.hidden_size, 5, tau=0.5)
@@ -113,7 +108,7 @@ def test_inference_path_computes_what_the_training_path_computes(case):
     """At inference the layer runs its packed copy (stacked, zero-padded, grouped matmuls); with
     gradients on, each expert's own modules. Same function: within float32 rounding, and to 1e-12 in
     float64 (where grouped_mm has no kernel and the per-expert matmul fallback runs)."""
-    from moeify.runtime.moe import SoftmaxTopKRouter
+    from moeify.runtime.routers import SoftmaxTopKRouter
 
     if case == "gated-shared-top2":
         layer = layer_for(random_mlp(), shared=6, experts=4, top_k=2)
@@ -161,7 +156,7 @@ def test_packed_copy_follows_the_weights():
 
 
 def test_packed_widths_are_multiples_of_8_or_of_64_where_cheap():
-    from moeify.runtime.moe import aligned_width, packed_widths
+    from moeify.runtime.packed import aligned_width, packed_widths
 
     assert aligned_width(29) == 32 and aligned_width(352) == 352 and aligned_width(1376) == 1408
     assert packed_widths([29, 21, 9], [93, 90]) == (32, 96) and packed_widths([29], [100]) == (32, 104)
@@ -177,18 +172,18 @@ def test_packed_widths_are_multiples_of_8_or_of_64_where_cheap():
 def test_packed_path_multiplies_only_the_routed_rows(monkeypatch):
     """Real sparsity at inference too: each grouped matmul gets exactly the (token, expert) pairs the
     router chose, grouped by expert, never the whole batch per expert."""
-    from moeify.runtime import moe
+    from moeify.runtime import packed
 
     layer = layer_for(random_mlp(), shared=6, experts=4, top_k=2)
     x = torch.randn(50, 16, generator=torch.Generator().manual_seed(8))
     seen = []
-    real = moe.grouped_linear
+    real = packed.grouped_linear
 
     def recording(rows, weight, offsets):
         seen.append((rows.shape[0], torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()))
         return real(rows, weight, offsets)
 
-    monkeypatch.setattr(moe, "grouped_linear", recording)
+    monkeypatch.setattr(packed, "grouped_linear", recording)
     with torch.no_grad():
         layer(x)
     counts = layer.router(x).counts.tolist()

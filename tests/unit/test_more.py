@@ -13,15 +13,15 @@ from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.moe.routing import jsd_to_uniform
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.options import OptionError, build_config
-from tests.conftest import clone
-from tests.tiny_models import FAMILY_NAMES, tiny_model
+from tests.helpers.conversion import clone
+from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
 
 CALIB = {"calib_samples": "8", "seq_len": "64"}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_expert_on_reproduces_the_dense_mlp_and_model(family, make_ctx):
-    dense = tiny_model(family, vocab_size=512, max_position_embeddings=256)
+    dense = tiny_model(family, **STORIES_VOCAB)
     ctx = make_ctx(clone(dense))
     details = convert(ctx, build_config(MoreConfig, CALIB))
     layers = moe_layers(ctx.model)
@@ -108,14 +108,14 @@ def test_model_dependent_errors(make_ctx):
     config = tiny_model("llama").config
     with pytest.raises(OptionError, match=r"num_experts=200 must be <= the non-shared channels \(87\)"):
         MoreConfig(num_experts=200).check(config)
-    ctx = make_ctx(tiny_model("llama", vocab_size=512, max_position_embeddings=256))
+    ctx = make_ctx(tiny_model("llama", **STORIES_VOCAB))
     with pytest.raises(ValueError, match="target_pr=0.9 cannot be reached"):
         convert(ctx, build_config(MoreConfig, {**CALIB, "target_pr": "0.9"}))
 
 
 @pytest.mark.parametrize("variant", ["backbone", "random", "naive"])
 def test_variants_build_and_match_the_budget(variant, make_ctx):
-    ctx = make_ctx(tiny_model("qwen2", vocab_size=512, max_position_embeddings=256))
+    ctx = make_ctx(tiny_model("qwen2", **STORIES_VOCAB))
     details = convert(ctx, build_config(MoreConfig, {**CALIB, "variant": variant}))
     assert abs(details["pruning_rate_uniform"] - 0.2) <= 0.01
     nominal = 1 - activated_parameters(ctx.model, measured=False).apr
@@ -135,7 +135,7 @@ def test_save_load_identical_logits_and_eval_cli(family, make_ctx, tokenizer, tm
     from moeify.api import ConversionResult
     from moeify.cli.main import main
 
-    ctx = make_ctx(tiny_model(family, vocab_size=512, max_position_embeddings=256))
+    ctx = make_ctx(tiny_model(family, **STORIES_VOCAB))
     convert(ctx, build_config(MoreConfig, CALIB))
     out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "more"}), tmp_path / "more")
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))

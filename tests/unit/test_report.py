@@ -37,12 +37,14 @@ def test_matched_options_follow_the_budget(stories):
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
+    """Two CLI conversions of stories260K with evaluation and speed measurement (~6 s)."""
     root = tmp_path_factory.mktemp("runs")
     for name, method, option in (("a", "cmoe", "spec=S1A1E8"), ("b", "static_prune", "active_ratio=0.6")):
         assert main(["convert", "--method", method, "--set", option, "--out", str(root / name)]) == 0
     return root
 
 
+@pytest.mark.slow  # two_runs
 def test_report_from_records(two_runs, tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["report", str(two_runs / "a"), str(two_runs / "b"), "--out", str(out)]) == 0
@@ -60,6 +62,7 @@ def test_report_from_records(two_runs, tmp_path, capsys):
     assert "has no record.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two_runs
 def test_bench_measures_both_models(two_runs, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", str(two_runs / "a"), "--batch-sizes", "1,2", "--seq-len", "32", "--new-tokens", "4",

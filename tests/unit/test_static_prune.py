@@ -13,9 +13,8 @@ from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.moe.attention_importance import HeadDimSquares, qk_pair_importance, vo_dim_importance
 from moeify.options import OptionError
 from moeify.runtime.attention import PrunedAttention
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
-TINY = dict(vocab_size=512, max_position_embeddings=256)
 HD = 16  # tiny models: hidden 64, 4 query heads, 2 key/value heads
 IDS = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
 
@@ -27,7 +26,7 @@ def _prune(make_ctx, model, ratio, **options):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("ratio", [0.5, 0.3])
 def test_attention_and_mlp_share_the_kept_ratio(family, ratio, make_ctx):
-    model = tiny_model(family, **TINY)
+    model = tiny_model(family, **STORIES_VOCAB)
     details = _prune(make_ctx, model, ratio)
     assert details["attention_pruned"] and details["attention_reason"] is None
     adapter = DecoderAdapter(model)
@@ -41,17 +40,17 @@ def test_attention_and_mlp_share_the_kept_ratio(family, ratio, make_ctx):
 
 
 def test_unsupported_attention_falls_back_to_mlp_channels_and_says_why(make_ctx):
-    model = tiny_model("phi3", **TINY)
+    model = tiny_model("phi3", **STORIES_VOCAB)
     details = _prune(make_ctx, model, 0.6)
     assert not details["attention_pruned"] and "no separate q_proj" in details["attention_reason"]
     assert not any(isinstance(m, PrunedAttention) for m in model.modules())
     assert activated_parameters(model).apr == pytest.approx(0.6, abs=0.005)  # rounding to whole channels
     with pytest.raises(OptionError, match=r"active_ratio=0.3 is out of range .* allowed: \(0.4211, 1.0\]"):
-        _prune(make_ctx, tiny_model("phi3", **TINY), 0.3)
+        _prune(make_ctx, tiny_model("phi3", **STORIES_VOCAB), 0.3)
 
 
 def test_dimensions_without_signal_are_pruned_first(make_ctx):
-    model = tiny_model("llama", **TINY)
+    model = tiny_model("llama", **STORIES_VOCAB)
     attn = DecoderAdapter(model).attention_module(0)
     with torch.no_grad():
         attn.q_proj.weight.view(4, HD, -1)[:, [3, 3 + HD // 2]] = 0  # RoPE pair 3 of every query head
@@ -77,7 +76,7 @@ def test_scores_pair_each_query_head_with_its_key_value_head():
 
 
 def test_pruned_model_saves_and_loads_identically(make_ctx, tokenizer, tmp_path):
-    model = tiny_model("qwen2", **TINY)
+    model = tiny_model("qwen2", **STORIES_VOCAB)
     _prune(make_ctx, model, 0.5)
     out = moeify.save(ConversionResult(model, tokenizer, {"method": "static_prune"}), tmp_path / "out")
     loaded = moeify.load(out)

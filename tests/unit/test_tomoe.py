@@ -12,17 +12,18 @@ from moeify.methods.tomoe.train import MaskedModel, TomoeModules, f_reg
 from moeify.moe.accounting import activated_parameters
 from moeify.options import OptionError, build_config
 from moeify.runtime.attention import PrunedAttention
-from moeify.runtime.moe import ArgmaxRouter, MoeMLP
-from tests.conftest import clone
-from tests.killing import kill_in_step
-from tests.tiny_models import tiny_model
+from moeify.runtime.moe import MoeMLP
+from moeify.runtime.routers import ArgmaxRouter
+from tests.helpers.conversion import clone
+from tests.helpers.killing import kill_in_step
+from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 FAST = dict(steps=3, batch_size=2, seq_len=32, calib_samples=2, checkpoint_every=0)
 
 
 def converted(family, make_ctx, work_dir=None, **options):
-    dense = tiny_model(family, vocab_size=512, max_position_embeddings=256)
+    dense = tiny_model(family, **STORIES_VOCAB)
     ctx = make_ctx(clone(dense))
     ctx.work_dir = work_dir
     details = convert(ctx, TomoeConfig(**{**FAST, **options}))
@@ -45,7 +46,7 @@ def test_straight_through_estimators_are_hard_forward_and_soft_backward():
 
 
 def test_untrained_masks_keep_the_whole_model(make_ctx):
-    dense = tiny_model("llama", vocab_size=512, max_position_embeddings=256)
+    dense = tiny_model("llama", **STORIES_VOCAB)
     ctx = make_ctx(clone(dense))
     cfg = TomoeConfig(**FAST)
     theta = TomoeModules(ctx, cfg)

@@ -7,7 +7,8 @@ import torch
 
 from moeify.training.checkpoint import latest_step
 from moeify.training.loop import Checkpointing, TrainPlan, train
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
+from tests.helpers.weights import assert_same_weights
 
 STREAM = torch.randint(3, 128, (2000,), generator=torch.Generator().manual_seed(0))
 FINGERPRINT = {"method": "test", "lr": 1e-3}
@@ -29,13 +30,6 @@ def run(steps, *, grad_accum=1, folder=None, resume=False, kill_at=None, fingerp
     log = train(model, optimizer, STREAM, plan, seed=0, device=torch.device("cpu"), checkpointing=checkpointing,
                 after_step=after_step, progress=False)
     return model, log
-
-
-def assert_same_weights(a, b):
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
 
 
 def test_training_is_deterministic_and_changes_the_model():
