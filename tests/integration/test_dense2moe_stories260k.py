@@ -26,7 +26,7 @@ def convert(held_out, **options):
 
 def test_at_the_default_budget_layer_fusion_upcycling_beats_both_baselines(held_out):
     runs = {variant: convert(held_out, variant=variant) for variant in VARIANTS}
-    for record in runs.values():  # the defaults of the issue: one layer removed, top-1, 100 steps
+    for record in runs.values():  # the method's defaults: one layer removed, top-1, 100 steps
         config = record["config"]
         assert (config["prune_layers"], config["top_k"], config["steps"], config["lr"]) == (1, 1, 100, 1e-3)
         assert record["details"]["finetune"]["steps"] == 100 and record["details"]["selection"]["removed"] == [2]

@@ -1,4 +1,4 @@
-"""Issue 8 on the embedded stories260K: a MoRE conversion (shared backbone, a dense first layer, unequal
+"""Exports of the embedded stories260K: a MoRE conversion (shared backbone, a dense first layer, unequal
 petals, cosine prototypes), a top-1 ToMoE conversion (MLP experts, attention kept) and a top-1 Dense2MoE
 conversion (one layer fused away, softmax-weighted experts) exported to every format that represents
 them load with plain transformers in a process that cannot import moeify, and give the native logits.
@@ -6,7 +6,7 @@ them load with plain transformers in a process that cannot import moeify, and gi
 fp32: at inference the native runtime runs its experts in the layout transformers holds them in (stacked,
 zero-padded to the export's width, one fused gate/up grouped matmul; the shared part at the export's
 width), so each exported MLP block computes bit for bit what the native layer computes, and the logits
-agree within the issue's 1e-5. What remains is below it: on one-token inputs MKL's matrix-vector kernels
+agree within 1e-5 (float32). What remains is below it: on one-token inputs MKL's matrix-vector kernels
 round by the memory alignment of the weights, which safetensors' memory map leaves to each file's
 layout (measured 3.3e-6). Except mixtral for MoRE: mixtral has no shared part, so the backbone and the
 dense first layer join every expert, one sum where the native model has two; exact in float64 (checked
@@ -30,7 +30,7 @@ from tests.helpers.remote import plain_logits
 pytestmark = pytest.mark.slow  # three conversions of stories260K with training, and exports (~15 s)
 
 FORMATS = tuple(EXPORTERS)
-FP32_TOLERANCE = 1e-5  # the issue's bound
+FP32_TOLERANCE = 1e-5  # the bound an exact export keeps in float32
 FOLDED = {("more", "mixtral")}  # the shared part and dense layers folded into every expert
 FOLDED_FP32_TOLERANCE = 3e-5
 ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
