@@ -30,6 +30,12 @@ def require_at_most(name: str, value: int | None, limit: int, what: str) -> None
         raise OptionError(f"{name}={value} must be <= {what} ({limit})")
 
 
+def require_multiple(name: str, value: int, of: str, divisor: int) -> None:
+    """A batch split into micro-batches: ``batch_size=6 must be a multiple of grad_accum=4``."""
+    if value % divisor:
+        raise OptionError(f"{name}={value} must be a multiple of {of}={divisor}")
+
+
 def require_work_dir_for_resume(resume: bool, work_dir: object) -> None:
     """``resume=true`` continues from checkpoints, which live in the work folder: without one, say where
     it comes from instead of starting over silently."""

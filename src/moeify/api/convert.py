@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from moeify.arch import family_for
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
@@ -18,7 +18,7 @@ from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_tokens_per_s
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
-from moeify.loading import EMBEDDED_MODEL, check_device, load_model, model_path
+from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model
 from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, tracking_routing
 from moeify.moe.routing import routing_summary
@@ -76,7 +76,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     if calib_source.sha256 == eval_source.sha256:
         warnings.append(f"the calibration and evaluation texts are identical ({calib_source.name}): the "
                         "perplexity is measured on calibration data and will look better than it is")
-    model_config = AutoConfig.from_pretrained(model_path(model))
+    model_config = load_config(model)
     family_for(model_config)
     spec.check(config, model_config)
     context = model_config.max_position_embeddings

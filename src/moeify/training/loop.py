@@ -20,6 +20,7 @@ fingerprint).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +31,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from moeify.training.losses import lm_loss
+from moeify.training.recompute import recomputed_layers
 
 LossFn = Callable[[nn.Module, Tensor], dict[str, Tensor]]
-
-
-def lm_loss(model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
-    """Next-token cross-entropy, the mean over the batch's predicted tokens."""
-    return {"loss": model(input_ids=batch, labels=batch, use_cache=False).loss}
 
 
 def warmup_cosine(step: int, steps: int, warmup: int, final_ratio: float) -> float:
@@ -72,7 +70,8 @@ def scale_lr_(optimizer: torch.optim.Optimizer, factor: float) -> None:
 class TrainPlan:
     """``steps`` optimizer steps on ``batch_size`` windows of ``seq_len`` tokens, split into ``grad_accum``
     micro-batches; with checkpointing, a checkpoint every ``checkpoint_every`` steps (0: only the last);
-    ``schedule``: the learning-rate schedule (None: constant)."""
+    ``schedule``: the learning-rate schedule (None: constant); ``recompute``: activation checkpointing of
+    the decoder layers (``recompute.py``)."""
 
     steps: int
     batch_size: int
@@ -80,6 +79,7 @@ class TrainPlan:
     grad_accum: int = 1
     checkpoint_every: int = 0
     schedule: WarmupCosine | None = None
+    recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
@@ -100,9 +100,14 @@ class Checkpointing:
 
 @dataclass
 class TrainLog:
+    """Per-step losses and parts; ``seconds``: wall time of the steps this process ran; ``trainable_params``:
+    the parameters the optimizer updates."""
+
     losses: list[float] = field(default_factory=list)
     parts: dict[str, list[float]] = field(default_factory=dict)  # every logged part, per step
     resumed_from: int | None = None
+    seconds: float = 0.0
+    trainable_params: int = 0
 
     def append(self, values: dict[str, float]) -> None:
         self.losses.append(values["loss"])
@@ -115,7 +120,8 @@ class TrainLog:
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"steps": len(self.losses), "first_loss": self.losses[0], "last_loss": self.losses[-1],
-                               "losses": [round(x, 5) for x in self.losses], "resumed_from": self.resumed_from}
+                               "losses": [round(x, 5) for x in self.losses], "resumed_from": self.resumed_from,
+                               "seconds": round(self.seconds, 3), "trainable_params": self.trainable_params}
         for name, values in self.parts.items():
             out[f"first_{name}"], out[f"last_{name}"] = values[0], values[-1]
         return out
@@ -147,36 +153,51 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
     return resumed.step, log
 
 
+def _gradients(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor, grad_accum: int,
+               loss_fn: LossFn, device: torch.device) -> dict[str, float]:
+    """One step's gradients, accumulated over ``grad_accum`` micro-batches; returns the loss parts."""
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    for micro in batch.chunk(grad_accum):
+        parts = loss_fn(model, micro.to(device))
+        (parts["loss"] / grad_accum).backward()
+        for name, value in parts.items():
+            sums[name] = sums.get(name, 0.0) + float(value.detach()) / grad_accum
+    return sums
+
+
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, plan: TrainPlan, *, seed: int,
           device: torch.device, loss_fn: LossFn = lm_loss, checkpointing: Checkpointing | None = None,
-          after_step: Callable[[], None] | None = None, progress: bool = True, desc: str = "training") -> TrainLog:
-    """Train ``model`` for ``plan.steps`` optimizer steps (see the module docstring); returns the loss log."""
+          after_step: Callable[[], None] | None = None, progress: bool = True, desc: str = "training",
+          network: nn.Module | None = None) -> TrainLog:
+    """Train ``model`` for ``plan.steps`` optimizer steps (see the module docstring); returns the loss log.
+
+    ``network``: the causal LM whose decoder layers ``plan.recompute`` checkpoints, when ``model`` is not
+    it (ToMoE trains its own modules; an adapter wrapper hides the layers)."""
     generator = torch.Generator().manual_seed(seed)
     start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
+    log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    began = time.perf_counter()
     model.train()
     try:
-        bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc, disable=not progress)
-        for step in bar:
-            optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {}
-            batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
-            for micro in batch.chunk(plan.grad_accum):
-                parts = loss_fn(model, micro.to(device))
-                (parts["loss"] / plan.grad_accum).backward()
-                for name, value in parts.items():
-                    sums[name] = sums.get(name, 0.0) + float(value.detach()) / plan.grad_accum
-            if plan.schedule is not None:
-                scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
-            optimizer.step()
-            if after_step is not None:
-                after_step()
-            log.append(sums)
-            bar.set_postfix(loss=f"{sums['loss']:.4f}")
-            done = step + 1
-            if checkpointing is not None and (done == plan.steps or
-                                              (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
-                save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
-                                checkpointing.fingerprint)
+        with recomputed_layers(model if network is None else network, plan.recompute):
+            bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc, disable=not progress)
+            for step in bar:
+                batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
+                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, device)
+                if plan.schedule is not None:
+                    scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
+                optimizer.step()
+                if after_step is not None:
+                    after_step()
+                log.append(sums)
+                bar.set_postfix(loss=f"{sums['loss']:.4f}")
+                done = step + 1
+                if checkpointing is not None and (done == plan.steps or
+                                                  (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
+                    save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
+                                    checkpointing.fingerprint)
     finally:
         model.eval()
+        log.seconds = time.perf_counter() - began
     return log

@@ -9,7 +9,7 @@ from transformers import PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import mlp_share_for_apr
-from moeify.options import OptionError, method_config, option, require_at_most
+from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
 
 _SPEC = re.compile(r"^S(\d+)A(\d+)E(\d+)$")
 
@@ -28,6 +28,9 @@ class CmoeConfig:
     bias_speed: float = option(0.001, "gamma: load-balancing bias update speed (Eq. 33)", low=0.0)
     finetune_steps: int = option(0, "light fine-tuning steps (0 = training-free)", low=0)
     finetune_batch_size: int = option(4, "fine-tuning sequences per step", low=1)
+    grad_accum: int = option(1, "fine-tuning micro-batches per step (finetune_batch_size must be a multiple)", low=1)
+    recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
+                                   "recomputed in the backward pass (far less memory, about 1/3 more compute)")
     lr: float = option(5.95e-5, "fine-tuning learning rate of the LoRA weights", low=0.0, low_open=True)
     u_lr: float = option(1e-3, "learning rate of the score scale u", low=0.0, low_open=True)
     lora_rank: int = option(8, "LoRA rank", low=1)
@@ -43,6 +46,7 @@ class CmoeConfig:
             object.__setattr__(self, "top_k", active)
             object.__setattr__(self, "num_experts", total)
             object.__setattr__(self, "spec", None)
+        require_multiple("finetune_batch_size", self.finetune_batch_size, "grad_accum", self.grad_accum)
         if self.num_shared >= self.num_experts:
             raise OptionError(f"num_shared={self.num_shared} must be < num_experts={self.num_experts} "
                               "(at least one routed expert)")

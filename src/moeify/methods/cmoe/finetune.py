@@ -46,10 +46,13 @@ def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str,
             layer.router.update_bias(layer.stats_expert_tokens)
             layer.reset_stats()
 
-    plan = TrainPlan(steps=cfg.finetune_steps, batch_size=cfg.finetune_batch_size, seq_len=seq_len)
-    with tracking_routing(model):  # the token counts per expert that ``balance`` reads
+    plan = TrainPlan(steps=cfg.finetune_steps, batch_size=cfg.finetune_batch_size, seq_len=seq_len,
+                     grad_accum=cfg.grad_accum, recompute=cfg.recompute)
+    # The token counts per expert that ``balance`` reads (a recomputed layer counts its tokens twice: the
+    # sign of load - mean, all Eq. 33 uses, does not change).
+    with tracking_routing(model):
         log = train(peft_model, optimizer, stream, plan, seed=ctx.seed + 1, device=ctx.device, after_step=balance,
-                    progress=ctx.progress, desc="cmoe: fine-tuning")
+                    progress=ctx.progress, desc="cmoe: fine-tuning", network=model)
     ctx.model = peft_model.merge_and_unload()  # LoRA folded into the weights; plain MoE structure again
     for u in scales:
         u.requires_grad_(False)

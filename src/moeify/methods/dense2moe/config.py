@@ -6,7 +6,7 @@ from typing import Literal
 
 from transformers import PreTrainedConfig
 
-from moeify.options import OptionError, method_config, option, require_at_most
+from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
 
 
 @method_config
@@ -25,10 +25,14 @@ class Dense2moeConfig:
     warmup: int = option(10, "linear warm-up steps, then cosine decay to lr / 10 (§3.1)", low=0)
     seq_len: int | None = option(None, "training and calibration window (default: min(1024, context))", low=2)
     batch_size: int = option(4, "sequences per optimizer step", low=1)
+    grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple): memory for time", low=1)
     checkpoint_every: int = option(50, "steps between checkpoints in the work folder (0: at the end only)", low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
+    recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
+                                   "recomputed in the backward pass (far less memory, about 1/3 more compute)")
 
     def validate(self) -> None:
+        require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
         if self.warmup > self.steps:
             raise OptionError(f"warmup={self.warmup} must be <= steps={self.steps}")
         experts = self.num_copies + self.copies_per_pruned * (self.prune_layers or 1)

@@ -32,7 +32,7 @@ FINAL_LR_RATIO = 0.1  # §3.1: cosine decay from 1e-4 to 1e-5
 def _fingerprint(ctx: ConversionContext, cfg: Dense2moeConfig, seq_len: int) -> dict[str, Any]:
     """What a resumed run must share with the checkpointed one: every option but ``resume`` and
     ``checkpoint_every`` (``steps`` too: the learning-rate schedule depends on it)."""
-    keep = {k: v for k, v in vars(cfg).items() if k not in ("resume", "checkpoint_every")}
+    keep = {k: v for k, v in vars(cfg).items() if k not in ("resume", "checkpoint_every", "recompute", "grad_accum")}
     return {"method": "dense2moe", **keep, "seq_len": seq_len, "seed": ctx.seed,
             "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
 
@@ -40,8 +40,9 @@ def _fingerprint(ctx: ConversionContext, cfg: Dense2moeConfig, seq_len: int) -> 
 def finetune(ctx: ConversionContext, cfg: Dense2moeConfig, seq_len: int) -> dict[str, Any]:
     """Train ``ctx.model`` in place; returns the training log summary."""
     optimizer = torch.optim.AdamW(ctx.model.parameters(), lr=cfg.lr)
-    plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len,
-                     checkpoint_every=cfg.checkpoint_every, schedule=WarmupCosine(cfg.warmup, FINAL_LR_RATIO))
+    plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
+                     checkpoint_every=cfg.checkpoint_every, schedule=WarmupCosine(cfg.warmup, FINAL_LR_RATIO),
+                     recompute=cfg.recompute)
     checkpointing = None if ctx.work_dir is None else Checkpointing(
         ctx.work_dir / "dense2moe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
     log = train(ctx.model, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,

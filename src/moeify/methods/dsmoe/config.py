@@ -6,7 +6,7 @@ from typing import Literal
 
 from transformers import PreTrainedConfig
 
-from moeify.options import OptionError, method_config, option, require_at_most
+from moeify.options import method_config, option, require_at_most, require_multiple
 
 
 @method_config
@@ -27,11 +27,12 @@ class DsmoeConfig:
     checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)",
                                    low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
+    recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
+                                   "recomputed in the backward pass (far less memory, about 1/3 more compute)")
     analyses: bool = option(True, "tau sweep (Table 4) and per-layer activation heatmap (Fig. 3)")
 
     def validate(self) -> None:
-        if self.batch_size % self.grad_accum:
-            raise OptionError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+        require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
 
     def check(self, model_config: PreTrainedConfig) -> None:
         require_at_most("num_experts", self.num_experts, model_config.intermediate_size, "the MLP width d_h")

@@ -46,7 +46,8 @@ from moeify.methods.base import ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import SIGMOID_AT_ZERO, passing_gates, rescaled_gate_weights
-from moeify.training.loop import Checkpointing, TrainPlan, lm_loss, train
+from moeify.training.loop import Checkpointing, TrainPlan, train
+from moeify.training.losses import lm_loss
 
 
 def straight_through(values: Tensor, gates: Tensor) -> Tensor:
@@ -123,7 +124,7 @@ def _fingerprint(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) -> dict
     """What a resumed run must share with the checkpointed one. Free to change: steps (the lr is
     constant, so more steps continue the same run), grad_accum (the batches do not depend on it) and
     what happens outside training."""
-    free = ("steps", "grad_accum", "resume", "checkpoint_every", "analyses")
+    free = ("steps", "grad_accum", "resume", "checkpoint_every", "analyses", "recompute")
     keep = {k: v for k, v in vars(cfg).items() if k not in free}
     return {"method": "dsmoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
             "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
@@ -146,7 +147,7 @@ def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) ->
         return {"loss": lm + cfg.sparsity_weight * sparsity, "lm": lm, "sparsity": sparsity}  # Eq. 17
 
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
-                     checkpoint_every=cfg.checkpoint_every)
+                     checkpoint_every=cfg.checkpoint_every, recompute=cfg.recompute)
     checkpointing = None if ctx.work_dir is None else Checkpointing(
         ctx.work_dir / "dsmoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
     for i, wrapper in enumerate(wrappers):

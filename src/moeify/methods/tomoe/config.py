@@ -8,7 +8,7 @@ from typing import Any, Literal
 from transformers import PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
-from moeify.options import method_config, option, require_at_most
+from moeify.options import method_config, option, require_at_most, require_multiple
 
 
 @method_config
@@ -25,10 +25,17 @@ class TomoeConfig:
     beta: float = option(2.0, "weight of R_U, the union-of-experts regulariser (Eq. 7)", low=0.0)
     gamma: float = option(1.0, "weight of R_L, the load-balancing loss (Eq. 9)", low=0.0)
     batch_size: int = option(4, "sequences per optimizer step", low=1)
+    grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple): memory for time; R_L's "
+                                "load balance and the Gumbel noise are then per micro-batch", low=1)
     seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
     calib_samples: int = option(8, "calibration windows that fix K of the V/O top-K (§3.3)", low=1)
     checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)", low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
+    recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
+                                   "recomputed in the backward pass (far less memory, about 1/3 more compute)")
+
+    def validate(self) -> None:
+        require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
 
     def check(self, model_config: PreTrainedConfig) -> None:
         require_at_most("num_experts", self.num_experts, model_config.intermediate_size, "the MLP width d_mid")

@@ -37,19 +37,13 @@ from moeify.methods.tomoe.modules import (
 )
 from moeify.moe.head_dim import head_dim_costs
 from moeify.training.loop import Checkpointing, TrainPlan, train
+from moeify.training.losses import distillation_kl, final_hidden_states
 
 
 def f_reg(x: Tensor, y: Tensor | float) -> Tensor:
     """log(max(x, y) / min(x, y)) (§3.4)."""
     y = torch.as_tensor(y, dtype=x.dtype)
     return torch.log(torch.maximum(x, y) / torch.minimum(x, y))
-
-
-def distillation_loss(teacher: Tensor, student: Tensor) -> Tensor:
-    """KL(p_teacher || p_student) per token, averaged over tokens."""
-    t = torch.log_softmax(teacher.float(), dim=-1).flatten(0, -2)
-    s = torch.log_softmax(student.float(), dim=-1).flatten(0, -2)
-    return nn.functional.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
 class TomoeModules(nn.Module):
@@ -127,7 +121,7 @@ class MaskedModel:
 
 def _fingerprint(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> dict[str, Any]:
     """What a resumed run must share with the checkpointed one (steps may grow: the lr is constant)."""
-    free = ("steps", "resume", "checkpoint_every", "pseudo_moe")
+    free = ("steps", "grad_accum", "resume", "checkpoint_every", "pseudo_moe", "recompute")
     keep = {k: v for k, v in vars(cfg).items() if k not in free}
     return {"method": "tomoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
             "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
@@ -175,19 +169,20 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
         masked.set_embeddings(embeddings)
         with torch.no_grad():
             masked.set_enabled(False)
-            teacher = ctx.model(input_ids=batch, use_cache=False).logits
+            teacher = final_hidden_states(ctx.model, batch)
             masked.set_enabled(True)
-        kd = distillation_loss(teacher, ctx.model(input_ids=batch, use_cache=False).logits)
+        kd = distillation_kl(ctx.model, teacher, final_hidden_states(ctx.model, batch))  # KL(teacher || student)
         reg = masked.regularisers(embeddings)
         total = kd + cfg.alpha * reg["r_p"] + cfg.beta * reg["r_u"] + cfg.gamma * reg["r_l"]  # Eq. 10
         return {"loss": total, "kd": kd, **reg}
 
-    plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, checkpoint_every=cfg.checkpoint_every)
+    plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
+                     checkpoint_every=cfg.checkpoint_every, recompute=cfg.recompute)
     checkpointing = None if ctx.work_dir is None else Checkpointing(
         ctx.work_dir / "tomoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
     log = train(theta, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
                 device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
-                desc="tomoe: learning experts and routers")
+                desc="tomoe: learning experts and routers", network=ctx.model)
     theta.eval()
     return {**log.summary(), "curves": log.as_dict()["parts"],
             "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
