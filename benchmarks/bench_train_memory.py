@@ -3,8 +3,9 @@ default), beside an estimate from parameter, gradient, optimizer-state and activ
 
 Each (method, shape) runs in a fresh process: the model is loaded and prepared for training (CMoE carved
 on 2 calibration windows, DSMoE partitioned, Dense2MoE's layers fused, ToMoE's masks in place), the
-kernel's peak-RSS counter is reset (``/proc/self/clear_refs``), ``--steps`` optimizer steps run through
-the method's own training code, and the peak RSS (``VmHWM``) and seconds per step are read. Shapes are
+kernel's peak-RSS counter is reset (``/proc/self/clear_refs``; the RSS then is reported as "at start":
+the prepared model and what loading left allocated), ``--steps`` optimizer steps run through the
+method's own training code, and the peak RSS (``VmHWM``) and seconds per step are read. Shapes are
 micro-batches: ``4x512`` is one micro-batch of 4 x 512 tokens; ``1x2048`` is the paper's sequence length,
 a step of batch 2 accumulated over two micro-batches of 1 x 2048. Training text: WikiText-2 valid.
 Prints one JSON object per line, then a markdown table.
@@ -40,8 +41,12 @@ def _status(field: str) -> float:
     raise KeyError(field)
 
 
+_AT_START: list[float] = []  # VmRSS when training starts (the prepared model, what loading left behind)
+
+
 def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    _AT_START.append(_status("VmRSS"))
 
 
 def _options(method: str, batch: int, seq_len: int, accum: int, steps: int) -> dict[str, Any]:
@@ -129,6 +134,7 @@ def child(args: argparse.Namespace) -> None:
     parts = estimate(args.method, ctx.model, trainable, batch, seq_len, config.recompute)
     row = {"method": args.method, "shape": args.shape, "micro_batches": accum, "steps": steps,
            "peak_rss_gib": round(peak, 3), "estimate_gib": round(process + sum(parts.values()), 3),
+           "rss_at_start_gib": round(_AT_START[-1], 3),
            "estimate_parts_gib": {"process": round(process, 3), **{k: round(v, 3) for k, v in parts.items()}},
            "trainable_params": trainable, "recompute": config.recompute,
            "s_per_step": round(log["seconds"] / steps, 2), "losses": log["losses"]}
@@ -161,12 +167,12 @@ def main() -> None:
                 continue
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| method | micro-batch | peak RSS GiB | estimate GiB | s / step | trainable params |")
-    print("|---|---|---|---|---|---|")
+    print("\n| method | micro-batch | peak RSS GiB | estimate GiB | RSS at start GiB | s / step | trainable params |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         accum = f" (x{r['micro_batches']} accumulated)" if r["micro_batches"] > 1 else ""
         print(f"| {r['method']} | {r['shape']}{accum} | {r['peak_rss_gib']:.2f} | {r['estimate_gib']:.2f} | "
-              f"{r['s_per_step']:.1f} | {r['trainable_params']:,} |")
+              f"{r['rss_at_start_gib']:.2f} | {r['s_per_step']:.1f} | {r['trainable_params']:,} |")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from moeify.training.allocator import fix_mmap_threshold
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moeify.training.losses import lm_loss
 from moeify.training.recompute import recomputed_layers
@@ -174,6 +175,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
 
     ``network``: the causal LM whose decoder layers ``plan.recompute`` checkpoints, when ``model`` is not
     it (ToMoE trains its own modules; an adapter wrapper hides the layers)."""
+    fix_mmap_threshold()  # freed activations go back to the system instead of fragmenting the heap
     generator = torch.Generator().manual_seed(seed)
     start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
     log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
