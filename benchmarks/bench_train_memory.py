@@ -106,13 +106,25 @@ def estimate(method: str, model: torch.nn.Module, trainable: int, batch: int, se
     layer_working = tokens * (8 * d + 4 * d_ff) * 4 + 2 * batch * heads * seq_len ** 2 * 4
     if method == "tomoe":  # the masked student keeps the masks' (tokens, d_ff) products too
         layer_working += tokens * 2 * d_ff * 4
-    activations = layers * tokens * d * 4 + layer_working if recompute else layers * layer_working
+    recomputed, kept = layers * tokens * d * 4 + layer_working, layers * layer_working
     from moeify.training.losses import CHUNK_TOKENS
 
     logits = 3 * min(CHUNK_TOKENS, tokens) * config.vocab_size * 4
     parts = {"weights": params * 4, "grads": trainable * 4, "optimizer": trainable * 8,
-             "activations": activations, "logits": logits}
-    return {name: value / GIB for name, value in parts.items()}
+             "activations": recomputed if recompute else kept, "logits": logits}
+    return {name: value / GIB for name, value in parts.items()}, {"activations_without_recompute": kept / GIB,
+                                                                 "activations_with_recompute": recomputed / GIB}
+
+
+def alternatives(row: dict[str, Any]) -> dict[str, float]:
+    """What the estimate becomes (GiB) with the memory savers moeify does not apply: bf16 weights and
+    gradients (half of their float32 bytes), 8-bit AdamW moments (a quarter), and without recomputation."""
+    parts, other = row["estimate_parts_gib"], row["activation_variants_gib"]
+    base = row["estimate_gib"]
+    return {"as run": base,
+            "bf16 weights+grads": base - (parts["weights"] + parts["grads"]) / 2,
+            "8-bit AdamW states": base - parts["optimizer"] * 3 / 4,
+            "no recompute": base - parts["activations"] + other["activations_without_recompute"]}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -131,11 +143,12 @@ def child(args: argparse.Namespace) -> None:
     log = _prepare_and_train(args.method, ctx, config)
     peak = _status("VmHWM")
     steps, trainable = len(log["losses"]), log["trainable_params"]
-    parts = estimate(args.method, ctx.model, trainable, batch, seq_len, config.recompute)
+    parts, variants = estimate(args.method, ctx.model, trainable, batch, seq_len, config.recompute)
     row = {"method": args.method, "shape": args.shape, "micro_batches": accum, "steps": steps,
            "peak_rss_gib": round(peak, 3), "estimate_gib": round(process + sum(parts.values()), 3),
            "rss_at_start_gib": round(_AT_START[-1], 3),
            "estimate_parts_gib": {"process": round(process, 3), **{k: round(v, 3) for k, v in parts.items()}},
+           "activation_variants_gib": {k: round(v, 3) for k, v in variants.items()},
            "trainable_params": trainable, "recompute": config.recompute,
            "s_per_step": round(log["seconds"] / steps, 2), "losses": log["losses"]}
     print(json.dumps(row), flush=True)
@@ -173,6 +186,12 @@ def main() -> None:
         accum = f" (x{r['micro_batches']} accumulated)" if r["micro_batches"] > 1 else ""
         print(f"| {r['method']} | {r['shape']}{accum} | {r['peak_rss_gib']:.2f} | {r['estimate_gib']:.2f} | "
               f"{r['rss_at_start_gib']:.2f} | {r['s_per_step']:.1f} | {r['trainable_params']:,} |")
+    names = list(alternatives(rows[0])) if rows else []
+    print("\nEstimated peak (GiB) with the savers moeify does not apply, and without its recomputation:\n")
+    print("| method | micro-batch | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['method']} | {r['shape']} | " + " | ".join(f"{v:.2f}" for v in alternatives(r).values()) + " |")
 
 
 if __name__ == "__main__":
