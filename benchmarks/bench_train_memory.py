@@ -96,14 +96,14 @@ def estimate(method: str, model: torch.nn.Module, trainable: int, batch: int, se
              recompute: bool) -> dict[str, float]:
     """GiB by what holds them: float32 weights, their gradients and AdamW's two moments for the trainable
     ones, the activations a step keeps (with recomputation: every decoder layer's input plus one layer's
-    working set, else every layer's; the attention probabilities of the math kernel included), one chunk of
-    logits with its log-softmax and gradient, and the process itself (torch and Python, measured)."""
+    working set, else every layer's; torch's scaled-dot-product attention is flash-style on CPU too and
+    keeps no (seq x seq) probabilities), one chunk of logits with its log-softmax and gradient, and the
+    process itself (torch and Python, measured)."""
     config = model.config
-    d, d_ff, heads, layers = config.hidden_size, config.intermediate_size, config.num_attention_heads, \
-        config.num_hidden_layers
+    d, d_ff, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     tokens = batch * seq_len
     params = sum(p.numel() for p in model.parameters())
-    layer_working = tokens * (8 * d + 4 * d_ff) * 4 + 2 * batch * heads * seq_len ** 2 * 4
+    layer_working = tokens * (8 * d + 4 * d_ff) * 4  # torch's attention kernels keep no (seq x seq) matrix
     if method == "tomoe":  # the masked student keeps the masks' (tokens, d_ff) products too
         layer_working += tokens * 2 * d_ff * 4
     recomputed, kept = layers * tokens * d * 4 + layer_working, layers * layer_working

@@ -10,6 +10,8 @@ without that marker, so a conversion of a GGUF model saves like any other.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -67,7 +69,8 @@ def check_device(device: str) -> None:
 def load_config(model: str | Path | None) -> PreTrainedConfig:
     """The model's config without its weights (for validation before any heavy work)."""
     source = model_source(model)
-    return AutoConfig.from_pretrained(source.path, **source.kwargs)
+    with _gguf_errors(source):
+        return AutoConfig.from_pretrained(source.path, **source.kwargs)
 
 
 def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
@@ -80,21 +83,38 @@ def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[Pr
     embedded default (``None``)."""
     check_device(device)
     source = model_source(model)
-    # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
-    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, **source.kwargs)
     if source.gguf_file is not None:
-        return _dequantised(source).to(device).eval(), tokenizer
+        return _load_gguf(source, device)
+    # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
     if Path(source.path).is_dir() and is_native_folder(Path(source.path)):
         return load_native(Path(source.path), device), tokenizer
     dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
     return dense.to(device).eval(), tokenizer
 
 
-def _dequantised(source: ModelSource) -> PreTrainedModel:
-    """The GGUF model dequantised to float32, its quantisation marker removed (the weights are plain float
-    tensors already: only the marker made ``save_pretrained`` refuse)."""
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **source.kwargs)
+def _load_gguf(source: ModelSource, device: str) -> tuple[PreTrainedModel, Any]:
+    """The GGUF model dequantised to float32 and its tokenizer; the model's quantisation marker removed
+    (its weights are plain float tensors already: only the marker made ``save_pretrained`` refuse)."""
+    with _gguf_errors(source):
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **source.kwargs)
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.config.name_or_path = str(source)
-    return model
+    return model.to(device).eval(), tokenizer
+
+
+@contextmanager
+def _gguf_errors(source: ModelSource) -> Iterator[None]:
+    """A GGUF file the reader cannot parse, or of an architecture transformers does not map, as one
+    ``ValueError`` naming the file (the reader raises whatever its parser meets: struct, key, value errors)."""
+    if source.gguf_file is None:
+        yield
+        return
+    try:
+        yield
+    except Exception as error:
+        detail = str(error).splitlines()[0] if str(error) else "no detail"
+        raise ValueError(f"{source}: not a GGUF model transformers can read ({type(error).__name__}: {detail})") \
+            from error

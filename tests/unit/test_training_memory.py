@@ -59,6 +59,25 @@ def test_chunked_cross_entropy_is_the_model_loss_with_its_gradients(family):
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7)
 
 
+def test_no_tensor_as_large_as_the_full_logits_is_kept_for_the_backward_pass():
+    """Each chunk of logits is recomputed in the backward pass, so autograd never holds (tokens x vocab)."""
+    model = tiny_model("llama").train()
+    ids = batch(model.config.vocab_size, (3, 40))
+    full = (ids.numel() - ids.shape[0]) * model.config.vocab_size
+    largest = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        largest.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm_loss(model, ids)["loss"].backward()
+    assert 0 < max(largest) < full / 4
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert max(largest) >= full  # what the plain loss keeps, for comparison
+
+
 def test_chunked_distillation_is_the_kl_of_the_full_logits():
     """ToMoE's teacher is the same model with its masks off: both sides go through the model's one head."""
     teacher, student = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
