@@ -71,8 +71,12 @@ def _doc_text(doc: Any, file: Path) -> str:
 
 
 def token_stream(source: TextSource, tokenizer: Any) -> Tensor:
-    """The whole text tokenized once: (n_tokens,), BOS at the start if the tokenizer adds one."""
+    """The whole text tokenized once: (n_tokens,), the tokenizer's BOS at the start if it has one (added
+    here when the tokenizer does not add it itself, as the tokenizers read from GGUF files do not)."""
     ids = tokenizer(source.text, return_attention_mask=False, verbose=False)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:1] != [bos]:
+        ids = [bos, *ids]
     if len(ids) < 2:
         raise DataError(f"{source.name}: the text gives only {len(ids)} token(s)")
     return torch.tensor(ids, dtype=torch.long)
