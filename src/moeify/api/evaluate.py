@@ -35,7 +35,7 @@ def set_runtime_options(model: PreTrainedModel, options: dict[str, Any]) -> Call
             for router in (layer.router for layer in layers if layer.router is not None):  # static layers: none
                 previous = router.spec().get(name)
                 router.set_option(name, value)
-                undo.append(lambda router=router, previous=previous: router.set_option(name, previous))
+                undo.append(lambda router=router, name=name, previous=previous: router.set_option(name, previous))
     except BaseException:
         _run_all(undo)
         raise

@@ -21,13 +21,17 @@ from moeify.arch import DecoderAdapter
 def recomputed_layers(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Checkpoint every decoder layer of ``model`` (a transformers causal LM) inside the block."""
     layers = list(DecoderAdapter(model).layers) if enabled else []
+    own = [layer.__dict__.get("forward") for layer in layers]  # a wrapper's (e.g. accelerate's hooks), if any
     for layer in layers:
         layer.forward = _checkpointed(layer.forward)  # an instance attribute: nn.Module.__call__ finds it first
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.forward
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
 
 
 def _checkpointed(forward: Any) -> Any:
