@@ -115,18 +115,15 @@ def _check_range(name: str, value: Any, meta: dict[str, Any]) -> None:
 
 
 def build_config(config_cls: type, overrides: dict[str, Any]) -> Any:
-    """The config with ``overrides`` applied; unknown keys and bad values raise ``OptionError``."""
+    """The config with ``overrides`` (``--set`` strings or typed values) converted to the fields' types;
+    unknown keys and bad values raise ``OptionError`` (ranges: the config checks them itself)."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise OptionError(f"unknown option(s) {', '.join(unknown)} for {config_cls.__name__}; "
                           f"options: {', '.join(fields)}")
     hints = typing.get_type_hints(config_cls)
-    values = {}
-    for key, raw in overrides.items():
-        values[key] = _convert(key, raw, hints[key])
-        _check_range(key, values[key], dict(fields[key].metadata))
-    return config_cls(**values)
+    return config_cls(**{key: _convert(key, raw, hints[key]) for key, raw in overrides.items()})
 
 
 def describe(config_cls: type) -> list[tuple[str, str, Any, str]]:
