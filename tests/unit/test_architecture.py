@@ -8,6 +8,7 @@ import io
 import re
 import shutil
 import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -101,3 +102,13 @@ def test_router_classes_appear_only_in_the_runtime_and_one_method_package():
     shared = {name: sorted(where - {"runtime"}) for name, where in users.items() if len(where - {"runtime"}) > 1}
     outside = {name: sorted(w for w in where if "/" in w) for name, where in users.items() if any("/" in w for w in where)}
     assert shared == {} and outside == {}
+
+
+def test_import_moeify_stays_light():
+    """``import moeify`` loads none of the heavy or optional dependencies; the API imports them when used."""
+    heavy = ("torch", "transformers", "lm_eval", "matplotlib", "scipy", "ortools", "peft")
+    script = f"import sys, moeify; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(ROOT / "src")},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

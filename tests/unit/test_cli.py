@@ -81,6 +81,7 @@ def test_eval_with_runtime_top_k(converted, tmp_path, capsys):
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--calib", "{tmp}/none.txt"], "does not exist"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--calib", "{tmp}/empty.txt"], "holds no text"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "seq_len=4096"], "seq_len=4096 must be <= the model's context (512)"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--seq-len", "0"], "eval_seq_len=0 is out of range; allowed: [2, 512]"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "bogus=1"], "unknown option(s) bogus"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/full"], "exists and is not empty"),
     (["eval", "embedded:stories260K", "--set", "top_k=2"], "apply to converted models only"),

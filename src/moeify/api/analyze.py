@@ -50,7 +50,7 @@ def analyze_layers(model: str | Path | None = None, *, method: str | None = None
         raise OptionError(f"samples={samples} is out of range; allowed: [1, inf)")
     loaded, tokenizer = load_model(model, device)
     context = loaded.config.max_position_embeddings
-    seq_len = seq_len or min(1024, context)
+    seq_len = min(1024, context) if seq_len is None else seq_len
     if not 2 <= seq_len <= context:
         raise OptionError(f"seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
     batches = calibration_batches(source, tokenizer, samples, seq_len, seed)

@@ -80,7 +80,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     family_for(model_config)
     spec.check(config, model_config)
     context = model_config.max_position_embeddings
-    seq_len = eval_seq_len or context
+    seq_len = context if eval_seq_len is None else eval_seq_len
     if not 2 <= seq_len <= context:
         raise OptionError(f"eval_seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
 

@@ -60,7 +60,7 @@ def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | No
         check_tasks(tasks, task_data, limit)
     sources = [read_text(d) for d in (data or ([] if tasks else [EMBEDDED_EVAL]))]
     context = model.config.max_position_embeddings
-    seq_len = seq_len or context
+    seq_len = context if seq_len is None else seq_len
     if not 2 <= seq_len <= context:
         raise OptionError(f"seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
     results: dict[str, Any] = {"ppl": {}, "eval": {}}

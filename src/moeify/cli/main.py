@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from moeify.cli import analyze_cmd, bench_cmd, compare_cmd, convert_cmd, eval_cmd, export_cmd, methods_cmd, report_cmd
+from moeify.version import __version__
 
 COMMANDS = (convert_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd, analyze_cmd)
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Mixture-of-Experts model and report perplexity, activated parameters and speed against "
                     "the dense model. Without a MODEL argument the embedded stories260K model is used.",
         epilog="Example: moeify convert --method cmoe --set spec=S1A1E8 --out runs/cmoe")
+    parser.add_argument("--version", action="version", version=f"moeify {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
