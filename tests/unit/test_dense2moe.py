@@ -181,6 +181,7 @@ def test_options_fail_with_field_value_and_range():
         build_config(Dense2moeConfig, {"top_k": 4, "num_copies": 2})
     with pytest.raises(OptionError, match="warmup=20 must be <= steps=5"):
         build_config(Dense2moeConfig, {"steps": 5, "warmup": 20})
+    assert build_config(Dense2moeConfig, {"steps": 0}).warmup == 10  # "0: none" needs no warm-up change
     with pytest.raises(OptionError, match="variant='x' is not allowed"):
         build_config(Dense2moeConfig, {"variant": "x"})
     config = five_layers("llama").config

@@ -33,7 +33,7 @@ class Dense2moeConfig:
 
     def validate(self) -> None:
         require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
-        if self.warmup > self.steps:
+        if self.steps and self.warmup > self.steps:  # steps=0 trains nothing: the warm-up does not apply
             raise OptionError(f"warmup={self.warmup} must be <= steps={self.steps}")
         experts = self.num_copies + self.copies_per_pruned * (self.prune_layers or 1)
         if self.variant != "prune_only" and self.top_k > experts:
