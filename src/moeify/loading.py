@@ -3,9 +3,9 @@ file (or a folder holding exactly one), or the embedded default. Below the use c
 of them (convert, evaluate, export, analyze, compare) loads the same way.
 
 GGUF files load through transformers' own GGUF reader (the ``gguf`` package): weights dequantised to the
-working dtype, tokenizer from the file. transformers marks such a model as quantised and refuses to
-save it, although its weights are ordinary float tensors by then; moeify rebuilds it from its config
-without that marker, so a conversion of a GGUF model saves like any other.
+working dtype (float32), tokenizer from the file. transformers marks such a model as quantised and refuses to
+save it, although its weights are ordinary float tensors by then; moeify removes that marker, so a
+conversion of a GGUF model saves like any other.
 """
 
 from __future__ import annotations

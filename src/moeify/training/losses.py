@@ -13,6 +13,8 @@ every causal-LM family moeify supports computes its logits (no logit scaling or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -46,7 +48,7 @@ def _chunk_kl(head: nn.Module, teacher: Tensor, student: Tensor) -> Tensor:
     return F.kl_div(s, t, log_target=True, reduction="sum")
 
 
-def chunked(fn, head: nn.Module, *tensors: Tensor) -> Tensor:
+def chunked(fn: Callable[..., Tensor], head: nn.Module, *tensors: Tensor) -> Tensor:
     """The sum of ``fn(head, *chunk)`` over chunks of ``CHUNK_TOKENS`` rows of ``tensors`` (all (N, ...)),
     each chunk checkpointed so that its logits are freed after its forward and rebuilt for its backward."""
     total = tensors[0].new_zeros((), dtype=torch.float32)
