@@ -114,10 +114,18 @@ def _check_range(name: str, value: Any, meta: dict[str, Any]) -> None:
         raise OptionError(f"{name}={value} is out of range; allowed: {span}")
 
 
+def _fields(config_cls: type) -> list[dataclasses.Field]:
+    """The config's fields, its own first, then those of its parent, ... (shared fine-tuning options last)."""
+    def depth(f: dataclasses.Field) -> int:
+        return next(i for i, c in enumerate(config_cls.__mro__) if f.name in c.__dict__.get("__annotations__", {}))
+
+    return sorted(dataclasses.fields(config_cls), key=depth)
+
+
 def build_config(config_cls: type, overrides: dict[str, Any]) -> Any:
     """The config with ``overrides`` (``--set`` strings or typed values) converted to the fields' types;
     unknown keys and bad values raise ``OptionError`` (ranges: the config checks them itself)."""
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    fields = {f.name: f for f in _fields(config_cls)}
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise OptionError(f"unknown option(s) {', '.join(unknown)} for {config_cls.__name__}; "
@@ -127,10 +135,11 @@ def build_config(config_cls: type, overrides: dict[str, Any]) -> Any:
 
 
 def describe(config_cls: type) -> list[tuple[str, str, Any, str]]:
-    """(name, type, default, help) for every option, for ``moeify methods``."""
+    """(name, type, default, help) for every option, for ``moeify methods``: the class's own options first,
+    then those it inherits (shared fine-tuning options)."""
     hints = typing.get_type_hints(config_cls)
     rows = []
-    for f in dataclasses.fields(config_cls):
+    for f in _fields(config_cls):
         kind = hints[f.name]
         text = "|".join(map(str, get_args(kind))) if get_origin(kind) is Literal else getattr(kind, "__name__", str(kind))
         rows.append((f.name, text.replace("typing.", ""), f.default, f.metadata.get("help", "")))

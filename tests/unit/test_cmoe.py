@@ -91,3 +91,56 @@ def test_light_finetuning_trains_u_and_moves_bias(make_ctx):
     assert details["finetune"]["u_abs_mean"] > 0  # u was really trainable under LoRA
     assert any(layer.router.bias.abs().sum() > 0 for layer in layers)  # Eq. 33 bias updates ran
     assert not any("lora" in name for name, _ in moe.named_parameters())  # merged into plain weights
+
+
+def test_router_ranks_experts_by_the_magnitude_of_h_r_unless_asked_for_the_signed_value():
+    from moeify.runtime.routers import RepresentativeRouter
+
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    routers = {score: RepresentativeRouter(16, 4, 1, "silu", True, False, score=score) for score in ("abs", "signed")}
+    routers["signed"].load_state_dict(routers["abs"].state_dict())
+    h = routers["abs"].neurons(x)
+    assert torch.equal(routers["abs"](x).expert, h.abs().argmax(1).sort().values)  # Eq. 20-26: largest |h_R|
+    assert torch.equal(routers["signed"](x).expert, h.argmax(1).sort().values)
+    assert not torch.equal(h.abs().argmax(1), h.argmax(1))  # the two readings really differ here
+    assert routers["signed"].spec()["score"] == "signed"
+
+
+def test_analysis_places_the_router_between_the_oracle_and_dropping_everything(make_ctx):
+    _, _, details = converted("llama", make_ctx, spec="S1A2E8")
+    analysis = details["analysis"]
+    assert len(analysis["layers"]) == len(details["layers"])
+    for layer in analysis["layers"]:
+        assert layer["oracle_search"] == "exact"  # C(7, 2) = 21 subsets
+        assert 0 <= layer["oracle"] <= min(layer["router"], layer["router_signed"]) + 1e-6
+        assert 0 < layer["static"] < 1
+    _, _, details = converted("llama", make_ctx, spec="S1A2E8", analysis=False)
+    assert "analysis" not in details
+
+
+def test_oracle_is_exact_on_few_subsets_and_greedy_beyond():
+    import itertools
+
+    from moeify.methods.cmoe import analysis
+
+    outs = torch.randn(40, 6, 8, generator=torch.Generator().manual_seed(1))
+    brute = torch.stack([(outs.sum(1) - outs[:, list(s)].sum(1)).pow(2).sum(-1)
+                         for s in itertools.combinations(range(6), 2)], 1).min(1).values
+    exact, how = analysis._oracle_error(outs, 2)
+    assert how == "exact" and torch.allclose(exact, brute, atol=1e-3)
+    analysis.EXACT_SUBSETS, saved = 0, analysis.EXACT_SUBSETS
+    try:
+        greedy, how = analysis._oracle_error(outs, 2)
+    finally:
+        analysis.EXACT_SUBSETS = saved
+    assert how == "greedy" and bool((greedy >= exact - 1e-3).all())
+
+
+def test_finetune_samples_is_one_pass_over_disjoint_windows(make_ctx):
+    _, moe, details = converted("llama", make_ctx, spec="S1A2E8", finetune_samples=5, finetune_batch_size=2,
+                                finetune_seq_len=32, lora_dropout=0.1)
+    assert details["finetune"]["steps"] == 3  # ceil(5 / 2)
+    with pytest.raises(OptionError, match="finetune_steps=2 and finetune_samples=5 are alternatives"):
+        CmoeConfig(finetune_steps=2, finetune_samples=5)
+    with pytest.raises(OptionError, match=r"lora_dropout=1.0 is out of range"):
+        CmoeConfig(lora_dropout=1.0)

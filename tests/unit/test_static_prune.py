@@ -84,3 +84,16 @@ def test_pruned_model_saves_and_loads_identically(make_ctx, tokenizer, tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
     assert activated_parameters(loaded).apr == activated_parameters(model).apr
+
+
+def test_lora_finetune_gives_the_baseline_the_same_recovery_budget(make_ctx):
+    from moeify.methods.static_prune import StaticPruneConfig
+    from moeify.methods.static_prune.convert import convert as prune
+    from tests.helpers.conversion import clone
+    from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
+
+    model = clone(tiny_model("llama", **STORIES_VOCAB))
+    details = prune(make_ctx(model), StaticPruneConfig(active_ratio=0.5, calib_samples=2, seq_len=32,
+                                                        finetune_steps=2, finetune_batch_size=2))
+    assert details["finetune"]["steps"] == 2 and details["finetune"]["trainable_params"] > 0
+    assert not any("lora" in name for name, _ in model.named_parameters())  # merged into plain weights

@@ -92,3 +92,19 @@ def test_resume_refuses_a_different_run_and_a_fresh_run_refuses_to_clobber(tmp_p
         run(1, folder=tmp_path, resume=True)
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         run(2, folder=tmp_path / "empty", resume=True)
+
+
+def test_an_epoch_sees_every_window_once_in_a_seeded_order():
+    from moeify.training.loop import epoch, epoch_windows
+
+    stream = torch.arange(100)
+    windows = epoch_windows(stream, 10, 7, seed=3)
+    starts = sorted(int(w[0]) for w in windows)
+    assert len(set(starts)) == 7 and all(s % 10 == 0 for s in starts)  # disjoint, aligned
+    assert torch.equal(windows, epoch_windows(stream, 10, 7, seed=3))
+    plan = epoch(7, 2, seq_len=10)
+    assert plan.steps == 4 and plan.epoch_samples == 7
+    with pytest.raises(ValueError, match="fewer than the 11 samples"):
+        epoch_windows(stream, 10, 11, seed=0)
+    with pytest.raises(ValueError, match=r"steps=3 must be ceil\(epoch_samples / batch_size\) = 4"):
+        TrainPlan(steps=3, batch_size=2, seq_len=10, epoch_samples=7)

@@ -112,7 +112,8 @@ def set_top_k(router: Router, name: str, value: Any) -> None:
 class RepresentativeRouter(nn.Module):
     """CMoE's training-free router (Eq. 24-26) with its differentiable scores and load-balancing bias.
 
-    s = act(x W_gate^R) * (x W_up^R): the hidden states of each routed expert's representative neuron.
+    s = |act(x W_gate^R) * (x W_up^R)|: the hidden states of each routed expert's representative neuron, as
+    magnitudes (``score="abs"``: Eq. 20-26 rank experts by their expected |h|) or signed (``"signed"``).
     s' = softmax(s) (Eq. 29); experts chosen by TopK(s' + b) (Eq. 32); weight g = 1 + s' * u (Eq. 28).
     ``u`` starts at zero (so g = 1, the un-scaled Eq. 17) and is learnable; ``b`` is a buffer moved by
     ``update_bias`` after each training step (aux-loss-free balancing, Eq. 33).
@@ -122,9 +123,11 @@ class RepresentativeRouter(nn.Module):
     expert_scale = 1.0
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, act: str, gated: bool, up_bias: bool,
-                 bias_speed: float = 0.001) -> None:
+                 bias_speed: float = 0.001, score: Literal["abs", "signed"] = "abs") -> None:
         super().__init__()
-        self.num_experts, self.top_k, self.bias_speed = num_experts, top_k, bias_speed
+        if score not in ("abs", "signed"):
+            raise ValueError(f"score={score!r} must be 'abs' or 'signed'")
+        self.num_experts, self.top_k, self.bias_speed, self.score = num_experts, top_k, bias_speed, score
         self.neurons = HiddenNeurons(hidden_size, num_experts, act, gated, up_bias)  # one per expert
         self.u = nn.Parameter(torch.zeros(num_experts))
         self.register_buffer("bias", torch.zeros(num_experts))
@@ -133,14 +136,19 @@ class RepresentativeRouter(nn.Module):
     set_option = set_top_k
 
     def spec(self) -> dict[str, Any]:
-        return top_k_spec(self, bias_speed=self.bias_speed)
+        return top_k_spec(self, bias_speed=self.bias_speed, score=self.score)
+
+    def scores(self, x: Tensor) -> Tensor:
+        """s (tokens, experts): the representative neurons' hidden values, |h_R| or signed."""
+        h = self.neurons(x).float()
+        return h.abs() if self.score == "abs" else h
 
     def linear_form(self) -> LinearForm:
         raise NotLinear("is not linear in x (its scores are the SwiGLU hidden values of representative neurons), "
                         "and standard formats only compute linear scores x @ W.T", distillable=self.top_k == 1)
 
     def forward(self, x: Tensor) -> Dispatch:
-        scores = torch.softmax(self.neurons(x).float(), dim=-1)  # s' (tokens, experts); Eq. 29
+        scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
         chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # Eq. 32
         weight = 1.0 + scores.gather(-1, chosen) * self.u[chosen]  # g_i = 1 + s'_i u_i; Eq. 28
         return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)

@@ -1,7 +1,8 @@
 """The one training loop of the methods that train (CMoE's light fine-tune, DSMoE's continued training).
 
-Each optimizer step draws ``batch_size`` random windows of ``seq_len`` tokens from the training stream
-and splits them into ``grad_accum`` micro-batches whose gradients add up (each micro-batch loss is
+Each optimizer step draws ``batch_size`` windows of ``seq_len`` tokens from the training stream (random
+windows drawn with replacement, or, with ``epoch_samples``, the next ones of a fixed shuffled set of
+disjoint windows: one pass over them, as CMoE's fine-tune does) and splits them into ``grad_accum`` micro-batches whose gradients add up (each micro-batch loss is
 divided by ``grad_accum``, so a step equals one step on the whole batch, and the batches do not depend
 on ``grad_accum``: it trades memory for time only); then the optimizer steps and
 ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
@@ -72,7 +73,8 @@ class TrainPlan:
     """``steps`` optimizer steps on ``batch_size`` windows of ``seq_len`` tokens, split into ``grad_accum``
     micro-batches; with checkpointing, a checkpoint every ``checkpoint_every`` steps (0: only the last);
     ``schedule``: the learning-rate schedule (None: constant); ``recompute``: activation checkpointing of
-    the decoder layers (``recompute.py``)."""
+    the decoder layers (``recompute.py``); ``epoch_samples``: > 0 trains on that many disjoint windows, each
+    seen once, in ``steps = ceil(epoch_samples / batch_size)`` steps (``epoch``)."""
 
     steps: int
     batch_size: int
@@ -81,10 +83,14 @@ class TrainPlan:
     checkpoint_every: int = 0
     schedule: WarmupCosine | None = None
     recompute: bool = True
+    epoch_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+        if self.epoch_samples and self.steps != math.ceil(self.epoch_samples / self.batch_size):
+            raise ValueError(f"steps={self.steps} must be ceil(epoch_samples / batch_size) = "
+                             f"{math.ceil(self.epoch_samples / self.batch_size)}")
         if self.schedule is not None and self.schedule.warmup > self.steps:
             raise ValueError(f"warmup={self.schedule.warmup} must be <= steps={self.steps}")
 
@@ -136,6 +142,24 @@ def random_windows(stream: Tensor, seq_len: int, batch_size: int, generator: tor
     return torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
 
 
+def epoch(samples: int, batch_size: int, **plan: Any) -> TrainPlan:
+    """The plan of one pass over ``samples`` disjoint windows, ``batch_size`` per step (the last step may
+    be smaller)."""
+    return TrainPlan(steps=math.ceil(samples / batch_size), batch_size=batch_size, epoch_samples=samples, **plan)
+
+
+def epoch_windows(stream: Tensor, seq_len: int, samples: int, seed: int) -> Tensor:
+    """``samples`` disjoint windows of ``seq_len`` tokens from ``stream`` in a seeded random order:
+    (samples, seq_len). The order depends on ``seed`` alone, so a resumed run sees the same epoch."""
+    slots = len(stream) // seq_len
+    if slots < samples:
+        raise ValueError(f"training text has {len(stream)} tokens: {slots} windows of seq_len={seq_len}, "
+                         f"fewer than the {samples} samples asked for")
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(slots, generator=generator)[:samples]
+    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()])
+
+
 def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator,
            checkpointing: Checkpointing | None, steps: int) -> tuple[int, TrainLog]:
     """(first step to run, log so far): 0 and an empty log, or what the latest checkpoint holds."""
@@ -179,13 +203,17 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     generator = torch.Generator().manual_seed(seed)
     start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
     log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed) if plan.epoch_samples else None
     began = time.perf_counter()
     model.train()
     try:
         with recomputed_layers(model if network is None else network, plan.recompute):
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc, disable=not progress)
             for step in bar:
-                batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
+                if plan.epoch_samples:
+                    batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
+                else:
+                    batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
                 sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, device)
                 if plan.schedule is not None:
                     scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))

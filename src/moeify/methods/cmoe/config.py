@@ -9,13 +9,14 @@ from transformers import PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import mlp_share_for_apr
-from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+from moeify.options import OptionError, method_config, option, require_at_most
+from moeify.training.lora import LoraOptions
 
 _SPEC = re.compile(r"^S(\d+)A(\d+)E(\d+)$")
 
 
 @method_config
-class CmoeConfig:
+class CmoeConfig(LoraOptions):
     num_experts: int = option(8, "E: total experts per layer, shared included", low=2)
     num_shared: int = option(1, "S: shared (always-on) experts", low=0)
     top_k: int = option(1, "A: routed experts activated per token", low=1)
@@ -25,16 +26,13 @@ class CmoeConfig:
     seq_len: int | None = option(None, "calibration sequence length (default: min(2048, model context))", low=2)
     max_iter: int = option(100, "balanced k-means iterations at most", low=1)
     partition: Literal["balanced_kmeans", "random"] = option("balanced_kmeans", "expert grouping; random = LLaMA-MoE split")
+    router_score: Literal["abs", "signed"] = option(
+        "abs", "what ranks the experts: |h_R| of each representative neuron (Eq. 20-26 rank by the expected |h|; "
+               "the official code) or the signed h_R")
+    analysis: bool = option(True, "per layer, the MLP output error of the router's choice, of the best experts "
+                                  "per token (oracle) and of static pruning at the same share, on calibration tokens")
     bias_speed: float = option(0.001, "gamma: load-balancing bias update speed (Eq. 33)", low=0.0)
-    finetune_steps: int = option(0, "light fine-tuning steps (0 = training-free)", low=0)
-    finetune_batch_size: int = option(4, "fine-tuning sequences per step", low=1)
-    grad_accum: int = option(1, "fine-tuning micro-batches per step (finetune_batch_size must be a multiple)", low=1)
-    recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
-                                   "recomputed in the backward pass (far less memory, about 1/3 more compute)")
-    lr: float = option(5.95e-5, "fine-tuning learning rate of the LoRA weights", low=0.0, low_open=True)
     u_lr: float = option(1e-3, "learning rate of the score scale u", low=0.0, low_open=True)
-    lora_rank: int = option(8, "LoRA rank", low=1)
-    lora_alpha: float = option(32.0, "LoRA alpha", low=0.0, low_open=True)
 
     def validate(self) -> None:
         if self.spec is not None:
@@ -46,7 +44,7 @@ class CmoeConfig:
             object.__setattr__(self, "top_k", active)
             object.__setattr__(self, "num_experts", total)
             object.__setattr__(self, "spec", None)
-        require_multiple("finetune_batch_size", self.finetune_batch_size, "grad_accum", self.grad_accum)
+        self.check_lora()
         if self.num_shared >= self.num_experts:
             raise OptionError(f"num_shared={self.num_shared} must be < num_experts={self.num_experts} "
                               "(at least one routed expert)")

@@ -14,6 +14,7 @@ from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext
+from moeify.methods.cmoe.analysis import routing_errors, routing_summary
 from moeify.methods.cmoe.config import CmoeConfig
 from moeify.moe.build import load_neurons_, moe_from_partition
 from moeify.moe.partition import (
@@ -83,7 +84,7 @@ def carve(markers: Tensor, cfg: CmoeConfig, generator: torch.Generator) -> Carvi
 def build_layer(mlp: MlpWeights, carving: Carving, cfg: CmoeConfig) -> MoeMLP:
     """The MoE layer of Eq. 17 with the router of Eq. 25 (and the scores/bias of Eq. 28-33)."""
     router = RepresentativeRouter(mlp.hidden_size, cfg.num_routed, cfg.top_k, mlp.act, mlp.gated,
-                                  mlp.up_bias is not None, bias_speed=cfg.bias_speed)
+                                  mlp.up_bias is not None, bias_speed=cfg.bias_speed, score=cfg.router_score)
     load_neurons_(router.neurons, mlp.select(carving.representatives))
     return moe_from_partition(mlp, carving.partition, router)
 
@@ -94,6 +95,7 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     generator = torch.Generator().manual_seed(ctx.seed)
     layers: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
     from tqdm.auto import tqdm
 
     steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)
@@ -105,6 +107,9 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
         mlp = adapter.mlp(step.index)
         carving = carve(atopk_markers(mlp, x, cfg.ka).cpu(), cfg, generator)  # profiling on device, grouping on CPU
         adapter.replace_mlp_(step.index, build_layer(mlp, carving, cfg).to(x.device))
+        if cfg.analysis:
+            errors.append(routing_errors(mlp, carving.partition, carving.representatives, cfg.top_k,
+                                         cfg.router_score, x))
         layers.append({"layer": step.index, "kmeans_iterations": carving.iterations,
                        "expert_sizes": [e.numel() for e in carving.partition.experts],
                        "shared_size": carving.partition.shared.numel(),
@@ -112,7 +117,9 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
                        if carving.partition.shared.numel() else 0.0})
     details: dict[str, Any] = {"calibration": {"samples": cfg.calib_samples, "seq_len": seq_len,
                                                "tokens": int(batches.numel())}, "layers": layers}
-    if cfg.finetune_steps:
+    if errors:
+        details["analysis"] = routing_summary(errors)
+    if cfg.finetunes:
         from moeify.methods.cmoe.finetune import finetune
 
         details["finetune"] = finetune(ctx, cfg, seq_len)

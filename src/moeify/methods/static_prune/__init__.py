@@ -1,7 +1,8 @@
 """Static structured pruning baseline: keep, in every layer, the attention head dimensions and the MLP
 channels of highest activation-aware importance (from calibration activations), at a requested
 activated-parameter ratio, with no routing and no training — the kind of baseline ToMoE and MoRE
-compare against.
+compare against. With ``finetune_steps``/``finetune_samples`` it gets CMoE's light LoRA fine-tune
+(``training.lora``), so a fine-tuned method can be compared with a baseline given the same budget.
 
 Choices:
 - One kept share r = ``active_ratio`` for every projection type, so APR = r. Per layer, query/key keep

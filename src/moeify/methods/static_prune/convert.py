@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
-from moeify.calibration.data import calibration_batches
+from moeify.calibration.data import calibration_batches, token_stream
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import MeanSquares
 from moeify.calibration.stream import stream_layers
@@ -21,6 +21,7 @@ from moeify.moe.build import static_layer
 from moeify.moe.head_dim import head_dim_support, pruned_attention
 from moeify.moe.importance import channel_importance
 from moeify.options import OptionError
+from moeify.training.lora import lora_finetune
 
 
 def _attention_blocker(adapter: DecoderAdapter, cfg: StaticPruneConfig) -> str | None:
@@ -84,4 +85,9 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
     if blocker is None:
         details.update(kept_qk_dims=qk_kept, kept_vo_dims=vo_kept)
     details["calibration"] = {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}
+    if cfg.finetunes:
+        ctx.model, log = lora_finetune(ctx.model, cfg, token_stream(ctx.calib, ctx.tokenizer), cfg.plan(seq_len),
+                                       seed=ctx.seed + 1, device=ctx.device, progress=ctx.progress,
+                                       desc="static_prune: LoRA fine-tuning")
+        details["finetune"] = log.summary()
     return details
