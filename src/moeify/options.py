@@ -7,6 +7,7 @@ input fails before any heavy work with the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -117,7 +118,7 @@ def _check_range(name: str, value: Any, meta: dict[str, Any]) -> None:
 def _fields(config_cls: type) -> list[dataclasses.Field]:
     """The config's fields, its own first, then those of its parent, ... (shared fine-tuning options last)."""
     def depth(f: dataclasses.Field) -> int:
-        return next(i for i, c in enumerate(config_cls.__mro__) if f.name in c.__dict__.get("__annotations__", {}))
+        return next(i for i, c in enumerate(config_cls.__mro__) if f.name in inspect.get_annotations(c))
 
     return sorted(dataclasses.fields(config_cls), key=depth)
 

@@ -137,7 +137,7 @@ def test_oracle_is_exact_on_few_subsets_and_greedy_beyond():
 
 
 def test_finetune_samples_is_one_pass_over_disjoint_windows(make_ctx):
-    _, moe, details = converted("llama", make_ctx, spec="S1A2E8", finetune_samples=5, finetune_batch_size=2,
+    _, _, details = converted("llama", make_ctx, spec="S1A2E8", finetune_samples=5, finetune_batch_size=2,
                                 finetune_seq_len=32, lora_dropout=0.1)
     assert details["finetune"]["steps"] == 3  # ceil(5 / 2)
     with pytest.raises(OptionError, match="finetune_steps=2 and finetune_samples=5 are alternatives"):
