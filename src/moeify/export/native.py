@@ -4,10 +4,10 @@ The folder holds ``config.json`` (the base config with ``model_type = "moeify_<b
 and a ``moeify`` block listing every MoE layer's structure and, for a model that lost decoder layers, their
 parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure itself is the config's own
 ``num_hidden_layers``), ``model.safetensors``, the tokenizer, verbatim copies of the runtime modules
-(``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``packed.py``, ``attention.py``, which
-import each other relatively, so they run the same in the package and in the folder) and
-``modeling_moeify.py``. Attention
-modules with a pruned head dimension are listed under ``moeify.attention``. The changed ``model_type``
+(``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``packed.py``, ``attention.py``,
+``sparse_inputs.py``, which import each other relatively, so they run the same in the package and in the
+folder) and ``modeling_moeify.py``. Attention modules with a pruned head dimension are listed under
+``moeify.attention``, projections with thresholded inputs (TEAL) under ``moeify.sparse_inputs``. The changed ``model_type``
 makes a plain ``from_pretrained`` without ``trust_remote_code`` fail loudly instead of silently loading
 dense MLPs with missing weights.
 """
@@ -27,8 +27,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from moeify.files import MOEIFY_KEY
 from moeify.runtime import attention as runtime_attention
 from moeify.runtime import moe as runtime_moe
+from moeify.runtime import sparse_inputs as runtime_sparse
 
-RUNTIME_FILES = ("moe.py", "experts.py", "routers.py", "packed.py", "attention.py")
+RUNTIME_FILES = ("moe.py", "experts.py", "routers.py", "packed.py", "attention.py", "sparse_inputs.py")
 
 
 def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, method: str = "") -> None:
@@ -51,7 +52,8 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
         MOEIFY_KEY: {**(getattr(model.config, MOEIFY_KEY, None) or {}),  # e.g. removed_layers (moe.depth)
                      "format_version": runtime_moe.FORMAT_VERSION, "method": method,
                      "base_model_type": base_type, "layers": runtime_moe.moe_layer_specs(model),
-                     "attention": runtime_attention.pruned_attention_specs(model)},
+                     "attention": runtime_attention.pruned_attention_specs(model),
+                     "sparse_inputs": runtime_sparse.sparse_input_specs(model)},
     })
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     runtime = resources.files("moeify.runtime")
@@ -82,7 +84,8 @@ def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedMod
         raw.pop(key, None)
     config = config_cls.from_dict(raw)
     model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls], None,
-                                                runtime_attention.install_pruned_attention)
+                                                runtime_attention.install_pruned_attention,
+                                                runtime_sparse.install_sparse_inputs)
     model = model_cls.from_pretrained(path, config=config, dtype=torch.float32)
     return model.to(device).eval()
 

@@ -10,9 +10,10 @@ from moeify.methods.dsmoe import DSMOE
 from moeify.methods.more import MORE
 from moeify.methods.random_split import RANDOM_SPLIT
 from moeify.methods.static_prune import STATIC_PRUNE
+from moeify.methods.teal import TEAL
 from moeify.methods.tomoe import TOMOE
 
-METHODS: tuple[Method, ...] = (CMOE, MORE, TOMOE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT)  # baselines last
+METHODS: tuple[Method, ...] = (CMOE, MORE, TOMOE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT, TEAL)  # baselines last
 DEFAULT_METHOD = METHODS[0].name
 
 

@@ -4,6 +4,8 @@ Counted over the projections of attention and MLP (weights and biases), as MoRE'
 activated-parameter ratio: APR = (P_act,attn + E[P_act,mlp]) / (P_attn + P_mlp); embeddings, norms and
 the LM head are outside both numerator and denominator. P_act,attn is P_attn unless the head dimension
 was pruned (``runtime.attention.PrunedAttention``: narrower Q/K, kept or top-K V/O width per token).
+A projection with thresholded inputs (TEAL, ``runtime.sparse_inputs``) activates the weight columns of
+the inputs it keeps, measured per token or nominally 1 - its calibrated sparsity.
 E[P_act,mlp] is the shared part plus the experts
 a token is routed to, averaged over the tokens the layers actually saw (``measured``), or under
 uniform routing with the routers' nominal expert count (``nominal``, e.g. CMoE's (S+A)/E). Router parameters are not
@@ -29,6 +31,7 @@ from moeify.arch import DecoderAdapter
 from moeify.files import MOEIFY_KEY
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
+from moeify.runtime.sparse_inputs import ThresholdedLinear
 
 
 def _neuron_params(layer: MoeMLP) -> int:
@@ -81,10 +84,16 @@ def layer_mlp_counts(adapter: DecoderAdapter, i: int, measured: bool) -> tuple[f
     if isinstance(module, MoeMLP):
         return moe_layer_counts(module, measured)
     dense = adapter.dense_mlp_params(i)
-    return dense, dense, 0
+    return dense, dense - unused_columns(module, measured), 0
 
 
-def layer_attention_counts(adapter: DecoderAdapter, i: int) -> tuple[int, int, int]:
+def unused_columns(module: nn.Module, measured: bool) -> float:
+    """Weights per token that thresholded inputs (TEAL) leave out of ``module``'s projections."""
+    return sum(m.weight.numel() * (1.0 - m.kept_fraction(measured))
+               for m in module.modules() if isinstance(m, ThresholdedLinear))
+
+
+def layer_attention_counts(adapter: DecoderAdapter, i: int, measured: bool) -> tuple[int, float, int]:
     """(dense attention params, active attention params per token, router params) of layer ``i``: a
     ``PrunedAttention`` (ToMoE, static_prune) activates narrower Q/K and the kept or top-K V/O width."""
     module = adapter.attention_module(i)
@@ -92,7 +101,7 @@ def layer_attention_counts(adapter: DecoderAdapter, i: int) -> tuple[int, int, i
         router = 0 if module.router is None else sum(p.numel() for p in module.router.parameters())
         return module.dense_params, module.active_params(), router
     dense = adapter.attention_params(i)
-    return dense, dense, 0
+    return dense, dense - unused_columns(module, measured), 0
 
 
 def removed_layers(model: nn.Module) -> list[dict[str, int]]:
@@ -108,13 +117,13 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
     per_layer = []
     any_measured = False
     for i in range(adapter.num_layers):
-        dense_attn, active_attn, r = layer_attention_counts(adapter, i)
+        dense_attn, active_attn, r = layer_attention_counts(adapter, i, measured)
         attn += dense_attn
         attn_active += active_attn
         router += r
         dense, active, r = layer_mlp_counts(adapter, i, measured)
         module = adapter.mlp_module(i)
-        any_measured |= measured and isinstance(module, MoeMLP) and module.stats_tokens > 0
+        any_measured |= measured and any(_has_stats(m) for m in (module, adapter.attention_module(i)))
         router += r
         mlp_dense += dense
         mlp_active += active
@@ -137,22 +146,31 @@ def nominal_activated_parameters(model: nn.Module) -> ActiveParams | None:
     return activated_parameters(model, measured=False)
 
 
+def _has_stats(module: nn.Module) -> bool:
+    """Whether ``module`` counted routed tokens or kept inputs on data."""
+    if isinstance(module, MoeMLP):
+        return module.stats_tokens > 0
+    return any(m.stats_inputs > 0 for m in module.modules() if isinstance(m, ThresholdedLinear))
+
+
 def moe_layers(model: nn.Module) -> list[MoeMLP]:
     return [m for m in model.modules() if isinstance(m, MoeMLP)]
 
 
 @contextmanager
 def tracking_routing(model: nn.Module) -> Iterator[list[MoeMLP]]:
-    """Count tokens per expert in every MoE layer inside the block (counters reset on entry)."""
+    """Count tokens per expert in every MoE layer, and kept inputs in every thresholded projection, inside
+    the block (counters reset on entry); yields the MoE layers."""
     layers = moe_layers(model)
-    for layer in layers:
-        layer.reset_stats()
-        layer.track_stats = True
+    counters = [*layers, *(m for m in model.modules() if isinstance(m, ThresholdedLinear))]
+    for counter in counters:
+        counter.reset_stats()
+        counter.track_stats = True
     try:
         yield layers
     finally:
-        for layer in layers:
-            layer.track_stats = False
+        for counter in counters:
+            counter.track_stats = False
 
 
 def attention_share(adapter: DecoderAdapter) -> float:

@@ -112,7 +112,7 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
         layers: list[dict[str, Any]] = [{} for _ in theta.layers]
         for i, modules in enumerate(theta.layers if masked.attention else []):
             layers[i].update(_prune_attention_(adapter, i, modules, embeddings[i].mean(dim=0), vo_widths[i]))
-        attention = sum(layer_attention_counts(adapter, i)[1] for i in range(adapter.num_layers))
+        attention = sum(layer_attention_counts(adapter, i, measured=False)[1] for i in range(adapter.num_layers))
         output_biases = sum(0 if w.down_bias is None else w.down_bias.numel() for w in masked.weights)
         all_logits = [m.proj_mlp(embeddings[i]) + KEEP_BIAS for i, m in enumerate(theta.layers)]
         theta_ = budget_threshold(all_logits, [w.params_per_neuron() for w in masked.weights],

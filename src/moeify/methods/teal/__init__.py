@@ -1,0 +1,37 @@
+"""TEAL: Training-Free Activation Sparsity in Large Language Models (Liu et al., 2024), the baseline a user
+tries before any MoE conversion.
+
+Every projection of every decoder layer (attention q/k/v/o, MLP gate/up/down) zeroes the entries of its
+input whose magnitude is below a threshold, so the matching weight columns take no part in the product.
+Each threshold is the ``sparsity`` quantile of |x| over the calibration tokens reaching that projection
+(TEAL §4: hidden states are zero-mean and unimodal, so a magnitude cut-off at a quantile zeroes that
+fraction of them), measured layer by layer on the outputs of the already-sparsified layers.
+
+Choices:
+- The same sparsity for every projection (TEAL's "uniform" allocation). TEAL's default allocates
+  sparsity per projection by a block-wise greedy search on activation errors; that search is not
+  implemented here, so this baseline sits a little below TEAL's best at the same level.
+- Activated parameters are the weight columns of the kept inputs, counted per token on the data the
+  model is evaluated on (``moe.accounting``); APR ~ 1 - sparsity.
+- The inference path is a masked dense product (``runtime.sparse_inputs``): PyTorch has no kernel that
+  skips the zeroed columns, so a TEAL model runs at dense speed here; its quality is what it is compared
+  on. Standard MoE export formats do not apply (it has no experts).
+"""
+
+from __future__ import annotations
+
+from moeify.methods.base import Method
+from moeify.methods.teal.config import TealConfig, match_budget
+from moeify.methods.teal.convert import convert
+
+TEAL = Method(
+    name="teal",
+    paper="baseline: Liu et al., Training-Free Activation Sparsity in Large Language Models (TEAL), 2024 "
+          "(arXiv:2408.14690)",
+    summary="baseline: magnitude thresholds on every projection's inputs, calibrated to a target sparsity",
+    config_cls=TealConfig,
+    convert=convert,
+    match_budget=match_budget,
+)
+
+__all__ = ["TEAL", "TealConfig"]

@@ -1,0 +1,64 @@
+"""TEAL's calibration, one decoder layer at a time: the magnitude threshold of every projection's
+inputs at the target sparsity (see the package docstring)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from moeify.calibration.data import calibration_batches
+from moeify.calibration.hooks import capture_inputs
+from moeify.calibration.stream import stream_layers
+from moeify.methods.base import ConversionContext
+from moeify.methods.teal.config import TealConfig
+from moeify.runtime.sparse_inputs import ThresholdedLinear
+
+QUANTILE_LIMIT = 2 ** 24  # torch.quantile's input size limit
+
+
+def magnitude_threshold(inputs: list[Tensor], sparsity: float) -> float:
+    """t with P(|x| <= t) = sparsity over every entry of ``inputs`` (a strided subsample of at most
+    ``QUANTILE_LIMIT`` entries when there are more)."""
+    flat = torch.cat([t.detach().abs().float().reshape(-1) for t in inputs])
+    flat = flat[::-(-flat.numel() // QUANTILE_LIMIT)]
+    return float(torch.quantile(flat, sparsity))
+
+
+def thresholded(linear: nn.Linear, sparsity: float, threshold: float) -> ThresholdedLinear:
+    """``linear`` with its inputs below ``threshold`` zeroed: the same weights, shared, not copied."""
+    out = ThresholdedLinear(linear.in_features, linear.out_features, linear.bias is not None, sparsity, threshold)
+    out.weight, out.bias = linear.weight, linear.bias
+    return out.to(device=linear.weight.device)
+
+
+def _replace(layer: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(layer.get_submodule(parent) if parent else layer, child, module)
+
+
+def convert(ctx: ConversionContext, cfg: TealConfig) -> dict[str, Any]:
+    adapter = ctx.adapter
+    seq_len = cfg.seq_len or min(2048, ctx.model.config.max_position_embeddings)
+    batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
+    thresholds: list[dict[str, float]] = []
+    steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)
+    for step in tqdm(steps, total=adapter.num_layers, desc="teal: thresholds", disable=not ctx.progress):
+        # every projection of the decoder layer: attention (q/k/v or fused qkv, o) and MLP (gate/up, down)
+        linears = {name: m for name, m in step.layer.named_modules() if type(m) is nn.Linear}
+        seen: dict[str, list[Tensor]] = {name: [] for name in linears}
+        with ExitStack() as hooks:
+            for name, m in linears.items():
+                hooks.enter_context(capture_inputs(m, seen[name].append))
+            step.run()
+        layer_thresholds = {}
+        for name, linear in linears.items():
+            t = magnitude_threshold(seen.pop(name), cfg.sparsity)
+            _replace(step.layer, name, thresholded(linear, cfg.sparsity, t))
+            layer_thresholds[name] = round(t, 6)
+        thresholds.append(layer_thresholds)
+    return {"thresholds": thresholds,
+            "calibration": {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}}

@@ -1,0 +1,64 @@
+"""Projections whose small inputs are zeroed: TEAL's training-free activation sparsity (Liu et al., 2024).
+
+Part of the runtime copied into every converted folder, like ``moe.py`` (imports torch only).
+
+``ThresholdedLinear`` is an ``nn.Linear`` (same parameter names, so a checkpoint keeps the base layout)
+plus a calibrated magnitude threshold t: y = W (x * [|x| > t]) + b. The columns of W that meet a zeroed
+input take no part in the product, which is what the activated parameters count; the product itself
+is a masked dense one here, because PyTorch has no kernel that skips the zeroed columns (TEAL's speed-up
+comes from its own Triton kernels), so a TEAL model runs at dense speed in moeify.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class ThresholdedLinear(nn.Linear):
+    """See the module docstring. ``sparsity`` is the fraction of inputs the threshold was calibrated to
+    zero (the nominal count); ``stats_*`` count, while ``track_stats`` is on, the inputs seen and kept."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, sparsity: float,
+                 threshold: float = 0.0) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.sparsity = sparsity
+        self.register_buffer("threshold", torch.tensor(float(threshold)))
+        self.track_stats = False
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats_inputs = 0
+        self.stats_kept = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = x.abs() > self.threshold
+        if self.track_stats:
+            self.stats_inputs += keep.numel()
+            self.stats_kept += int(keep.sum())
+        return super().forward(x * keep)
+
+    def kept_fraction(self, measured: bool) -> float:
+        """The share of inputs (hence of weight columns) used per token: counted on the data seen while
+        ``track_stats`` was on, or the calibrated 1 - sparsity."""
+        if measured and self.stats_inputs:
+            return self.stats_kept / self.stats_inputs
+        return 1.0 - self.sparsity
+
+    def spec(self) -> dict[str, Any]:
+        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
+                "sparsity": self.sparsity}
+
+
+def install_sparse_inputs(model: nn.Module, moeify_block: dict[str, Any]) -> None:
+    """Replace the linear layers listed under ``moeify_block["sparse_inputs"]`` ({path: spec}); their
+    weights and thresholds come from the checkpoint."""
+    for path, spec in (moeify_block.get("sparse_inputs") or {}).items():
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, ThresholdedLinear(**spec))
+
+
+def sparse_input_specs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    return {name: module.spec() for name, module in model.named_modules() if isinstance(module, ThresholdedLinear)}
