@@ -49,3 +49,74 @@ def test_it_matches_transformers_own_gguf_load_and_saves(smollm2, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
+
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Small budgets: these tests check that every method converts the real model and that the folder loads,
+# not quality (benchmarks/bench_real.py measures that).
+SMALL = {
+    "cmoe": {"calib_samples": 1, "seq_len": 128, "spec": "S2A2E16"},
+    "random_split": {"calib_samples": 1, "seq_len": 128},
+    "more": {"calib_samples": 1, "seq_len": 128},
+    "tomoe": {"steps": 1, "batch_size": 1, "seq_len": 64, "calib_samples": 1, "checkpoint_every": 0},
+    "dsmoe": {"steps": 1, "batch_size": 1, "seq_len": 64, "checkpoint_every": 0, "analyses": False},
+    "dense2moe": {"calib_samples": 1, "seq_len": 128, "steps": 1, "warmup": 0, "checkpoint_every": 0},
+    "static_prune": {"calib_samples": 1, "seq_len": 128},
+    "teal": {"calib_samples": 1, "seq_len": 128},
+}
+
+
+@pytest.fixture(scope="module")
+def texts(shared_assets, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    test = (shared_assets / "data" / "wikitext2_raw" / "wiki.test.raw.txt").read_text()
+    (folder / "eval.txt").write_text(test[:3000])
+    (folder / "prefix.txt").write_text(test[:20000])
+    (folder / "calib.txt").write_text((shared_assets / "data" / "wikitext2" / "valid.txt").read_text()[:60000])
+    return folder
+
+
+def test_moeify_eval_prints_what_transformers_own_gguf_load_scores_by_hand(smollm2, texts, tmp_path, capsys):
+    import json
+    import math
+
+    from moeify.cli.main import main
+
+    folder, _ = smollm2
+    assert main(["eval", str(folder / GGUF), "--data", str(texts / "prefix.txt"), "--seq-len", "2048",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    got = json.loads((tmp_path / "eval.json").read_text())["ppl"]["prefix.txt"]
+    assert f"{got:.3f}" in capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
+    ids = [tokenizer.bos_token_id] + tokenizer((texts / "prefix.txt").read_text())["input_ids"]
+    nll, scored = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), 2048):  # non-overlapping windows, the first token of each unscored
+            window = torch.tensor([ids[start:start + 2048]])
+            logits = model(window).logits[0, :-1]
+            nll += float(torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum"))
+            scored += window.shape[1] - 1
+    assert got == pytest.approx(math.exp(nll / scored), rel=1e-5)
+
+
+@pytest.mark.parametrize("method", list(SMALL))
+def test_every_method_converts_the_gguf_and_the_folder_loads_with_moeify_and_transformers(
+        method, smollm2, texts, tmp_path):
+    import moeify
+    from moeify.cli.main import main
+    from moeify.methods import METHODS
+
+    assert set(SMALL) == {m.name for m in METHODS}  # a new method must be proven here too
+    folder, (_, tokenizer) = smollm2
+    sets = [arg for key, value in SMALL[method].items() for arg in ("--set", f"{key}={value}")]
+    out = tmp_path / method
+    assert main(["convert", str(folder / GGUF), "--method", method, "--out", str(out), "--calib",
+                 str(texts / "calib.txt"), "--eval", str(texts / "eval.txt"), "--seq-len", "256", "--no-speed",
+                 *sets]) == 0
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        native = moeify.load(out)(ids).logits
+        remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+        assert torch.equal(remote(ids).logits, native)
+    assert AutoTokenizer.from_pretrained(out)(PROMPT, return_tensors="pt").input_ids.equal(ids)

@@ -1,0 +1,209 @@
+"""Every method and baseline on a real LLM (SmolLM2-135M-Instruct, the GGUF in ../shared/assets), one protocol.
+
+Protocol (as the papers): perplexity on a fixed prefix of WikiText-2 raw test (``--eval-chars``, default
+the first 200,000 characters), BOS once, non-overlapping 2048-token windows; calibration and training on
+WikiText-2 valid (never the evaluation text). Each row runs in a fresh process: load, convert, measure
+perplexity and the activated-parameter ratio (MoRE's APR, measured on the evaluation tokens), then the
+speed of the dense model and of the converted one in the same process (``moeify bench``'s
+``benchmark_pair``: prefill at batch 1 and 8, greedy decode). Rows are appended to ``--out`` as JSON lines
+as they finish, and a rerun skips the rows already there (same name and options), so a long run can be
+continued; ``--markdown`` prints the table of what the file holds.
+
+Rows: the dense model; every method at its defaults; APR 0.5 and 0.8 through each method's own budget
+matcher (``moeify compare``'s); 25 % of the MLP for cmoe/random_split/static_prune (S2A2E16); the
+paper's ablations; the CMoE light fine-tune recipe and static pruning with the same LoRA budget.
+
+    python benchmarks/bench_real.py [--rows NAME,...|all] [--out benchmarks/results/bench_real.jsonl]
+        [--eval-chars 200000] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
+EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
+OUT = Path(__file__).resolve().parent / "results" / "bench_real.jsonl"
+SEQ_LEN = 2048
+
+# The CPU fine-tuning recipe of the README: one pass over 384 windows of 512 tokens, 4 per step (96 steps).
+RECIPE = {"finetune_samples": 384, "finetune_seq_len": 512, "finetune_batch_size": 4, "lr": 3e-4}
+S2A2E16_APR = 0.4375  # static pruning of MLP channels at CMoE S2A2E16's activated-parameter ratio
+
+# name -> (method, options, or {"apr": x} to let the method's budget matcher pick its options)
+ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
+    "dense": (None, {}),
+    # CMoE against static pruning at the same activated parameters (25 % of the MLP), training-free
+    "cmoe_S2A2E16": ("cmoe", {"spec": "S2A2E16"}),
+    "static_prune_mlp_S2A2E16": ("static_prune", {"active_ratio": S2A2E16_APR, "attention": "off"}),
+    # ... and with the same light LoRA fine-tune (the README's recipe)
+    "cmoe_S2A2E16_recipe": ("cmoe", {"spec": "S2A2E16", **RECIPE}),
+    "static_prune_mlp_S2A2E16_lora": ("static_prune", {"active_ratio": S2A2E16_APR, "attention": "off", **RECIPE}),
+    "random_split_S2A2E16": ("random_split", {"spec": "S2A2E16"}),
+    "cmoe_S2A2E16_signed": ("cmoe", {"spec": "S2A2E16", "router_score": "signed"}),
+    # MoRE at its default PR 0.2 (APR 0.8), its ablations, and the baselines at that APR
+    "more": ("more", {}),
+    "more_random": ("more", {"variant": "random"}),
+    "more_backbone": ("more", {"variant": "backbone"}),
+    "static_prune_apr0.8": ("static_prune", {"apr": 0.8}),
+    "teal_apr0.8": ("teal", {"apr": 0.8}),
+    "cmoe_apr0.8": ("cmoe", {"apr": 0.8}),
+    # APR 0.5: ToMoE's setting
+    "tomoe_apr0.5": ("tomoe", {"active_ratio": 0.5, "steps": 60, "checkpoint_every": 0}),
+    "static_prune": ("static_prune", {}),
+    "teal": ("teal", {}),
+    "cmoe_apr0.5": ("cmoe", {"apr": 0.5}),
+    "more_apr0.5": ("more", {"apr": 0.5}),
+    "random_split_apr0.5": ("random_split", {"apr": 0.5}),
+    # the training methods at a CPU budget, at their papers' learning rates, with their ablations
+    "dsmoe": ("dsmoe", {"steps": 40, "lr": 2e-5, "checkpoint_every": 0}),
+    "dsmoe_no_ste": ("dsmoe", {"steps": 40, "lr": 2e-5, "variant": "no_ste", "checkpoint_every": 0}),
+    "dense2moe": ("dense2moe", {"steps": 60, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
+    "dense2moe_prune_upcycle": ("dense2moe", {"steps": 60, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
+                                              "variant": "prune_upcycle"}),
+    "dense2moe_prune_only": ("dense2moe", {"steps": 60, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
+                                           "variant": "prune_only"}),
+    "cmoe": ("cmoe", {}),
+}
+
+
+def _eval_file(chars: int, folder: Path) -> Path:
+    """The evaluation prefix as its own file (its name says which prefix it is)."""
+    path = folder / f"wikitext2_raw_test_first{chars}.txt"
+    path.write_text(EVAL.read_text()[:chars])
+    return path
+
+
+def _options(method: str, options: dict[str, Any], model: Any) -> tuple[dict[str, Any], str]:
+    """The options to convert with, and how they were chosen."""
+    if "apr" not in options:
+        return options, "given"
+    from moeify.arch import DecoderAdapter
+    from moeify.methods import get_method
+
+    tries, how = get_method(method).match_budget(options["apr"], DecoderAdapter(model))
+    return tries[0], f"matched to APR {options['apr']}: {how}"
+
+
+def run_row(name: str, eval_file: Path) -> dict[str, Any]:
+    """Convert, evaluate and time one row in this process (see the module docstring)."""
+    from moeify.api.evaluate import evaluate
+    from moeify.calibration.data import read_text
+    from moeify.evaluation.bench import benchmark_pair
+    from moeify.loading import load_model
+    from moeify.methods import ConversionContext, get_method
+    from moeify.moe.accounting import nominal_activated_parameters
+    from moeify.options import build_config
+
+    method, asked = ROWS[name]
+    torch.manual_seed(0)
+    model, tokenizer = load_model(str(MODEL))
+    row: dict[str, Any] = {"row": name, "method": method or "dense", "asked": asked}
+    convert_s = 0.0
+    if method is not None:
+        options, how = _options(method, asked, model)
+        spec = get_method(method)
+        config = build_config(spec.config_cls, options)
+        ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=False)
+        start = time.perf_counter()
+        details = spec.run(ctx, config)
+        convert_s = time.perf_counter() - start
+        model = ctx.model.eval()
+        nominal = nominal_activated_parameters(model)
+        row.update(options=options, how=how, convert_s=round(convert_s, 1),
+                   nominal_apr=None if nominal is None else nominal.apr,
+                   analysis=details.get("analysis", {}).get("mean"),
+                   finetune={k: v for k, v in details.get("finetune", {}).items() if k != "losses"} or None)
+    result = evaluate(model, tokenizer, [eval_file], seq_len=SEQ_LEN)
+    row.update(ppl=result["ppl"][eval_file.name], eval_tokens=result["eval"][eval_file.name]["tokens"],
+               apr=result["active"]["apr"], mlp_ratio=result["active"]["mlp_ratio"])
+    if method is not None:
+        dense, _ = load_model(str(MODEL))
+        row["speed"] = benchmark_pair(dense.eval(), model, [1, 8], seq_len=256, new_tokens=16, repeats=3)
+    row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
+    return row
+
+
+def _done(out: Path) -> dict[str, dict[str, Any]]:
+    if not out.is_file():
+        return {}
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {r["row"]: r for r in rows if r["row"] in ROWS and r["asked"] == ROWS[r["row"]][1]}
+
+
+def _speedups(row: dict[str, Any]) -> str:
+    speed = row.get("speed")
+    if not speed:
+        return "-"
+    prefill = " / ".join(f"{p['speedup']:.2f}" for p in speed["prefill"])
+    return f"{prefill} / {speed['decode']['speedup']:.2f}"
+
+
+def markdown(rows: dict[str, dict[str, Any]]) -> str:
+    dense = rows.get("dense", {}).get("ppl")
+    lines = ["| row | method | options | APR | PPL | x dense PPL | convert s | speed-up prefill b=1 / b=8 / decode |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in ROWS:
+        if name not in rows:
+            continue
+        r = rows[name]
+        opts = ", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items()) or "defaults"
+        ratio = f"{r['ppl'] / dense:.2f}" if dense else "-"
+        lines.append(f"| {name} | {r['method']} | {opts} | {r['apr']:.3f} | {r['ppl']:.2f} | {ratio} | "
+                     f"{r.get('convert_s', 0):.0f} | {_speedups(r)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="all", help="comma-separated row names, or all: " + ", ".join(ROWS))
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--eval-chars", type=int, default=200_000)
+    parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
+    parser.add_argument("--run-row", help=argparse.SUPPRESS)  # one row, in this process (the driver's child)
+    parser.add_argument("--eval-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_row:
+        print(json.dumps(run_row(args.run_row, args.eval_file)))
+        return
+    if args.markdown:
+        print(markdown(_done(args.out)))
+        return
+    names = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; rows: {', '.join(ROWS)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        eval_file = _eval_file(args.eval_chars, Path(tmp))
+        for name in names:
+            if name in _done(args.out):
+                print(f"{name}: already in {args.out}", file=sys.stderr)
+                continue
+            child = subprocess.run([sys.executable, __file__, "--run-row", name, "--eval-file", str(eval_file)],
+                                   capture_output=True, text=True)
+            if child.returncode:
+                print(f"{name}: failed\n{child.stderr[-3000:]}", file=sys.stderr)
+                continue
+            row = json.loads(child.stdout.strip().splitlines()[-1])
+            row["eval_file"] = eval_file.name
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps({k: row[k] for k in ("row", "ppl", "apr")} | {"speedups": _speedups(row)}), flush=True)
+    print(markdown(_done(args.out)))
+
+
+if __name__ == "__main__":
+    main()
