@@ -1,7 +1,7 @@
 """Every method and baseline on a real LLM (SmolLM2-135M-Instruct, the GGUF in ../shared/assets), one protocol.
 
 Protocol (as the papers): perplexity on a fixed prefix of WikiText-2 raw test (``--eval-chars``, default
-the first 200,000 characters), BOS once, non-overlapping 2048-token windows; calibration and training on
+the first 100,000 characters), BOS once, non-overlapping 2048-token windows; calibration and training on
 WikiText-2 valid (never the evaluation text). Each row runs in a fresh process: load, convert, measure
 perplexity and the activated-parameter ratio (MoRE's APR, measured on the evaluation tokens), then the
 speed of the dense model and of the converted one in the same process (``moeify bench``'s
@@ -39,7 +39,7 @@ OUT = Path(__file__).resolve().parent / "results" / "bench_real.jsonl"
 SEQ_LEN = 2048
 
 # The CPU fine-tuning recipe of the README: one pass over 384 windows of 512 tokens, 4 per step (96 steps).
-RECIPE = {"finetune_samples": 384, "finetune_seq_len": 512, "finetune_batch_size": 4, "lr": 3e-4}
+RECIPE = {"finetune_samples": 384, "finetune_seq_len": 512, "finetune_batch_size": 4, "lr": 1e-3}
 S2A2E16_APR = 0.4375  # static pruning of MLP channels at CMoE S2A2E16's activated-parameter ratio
 
 # name -> (method, options, or {"apr": x} to let the method's budget matcher pick its options)
@@ -61,19 +61,19 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "teal_apr0.8": ("teal", {"apr": 0.8}),
     "cmoe_apr0.8": ("cmoe", {"apr": 0.8}),
     # APR 0.5: ToMoE's setting
-    "tomoe_apr0.5": ("tomoe", {"active_ratio": 0.5, "steps": 60, "checkpoint_every": 0}),
+    "tomoe_apr0.5": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0}),
     "static_prune": ("static_prune", {}),
     "teal": ("teal", {}),
     "cmoe_apr0.5": ("cmoe", {"apr": 0.5}),
     "more_apr0.5": ("more", {"apr": 0.5}),
     "random_split_apr0.5": ("random_split", {"apr": 0.5}),
     # the training methods at a CPU budget, at their papers' learning rates, with their ablations
-    "dsmoe": ("dsmoe", {"steps": 40, "lr": 2e-5, "checkpoint_every": 0}),
-    "dsmoe_no_ste": ("dsmoe", {"steps": 40, "lr": 2e-5, "variant": "no_ste", "checkpoint_every": 0}),
-    "dense2moe": ("dense2moe", {"steps": 60, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
-    "dense2moe_prune_upcycle": ("dense2moe", {"steps": 60, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
+    "dsmoe": ("dsmoe", {"steps": 20, "lr": 2e-5, "checkpoint_every": 0}),
+    "dsmoe_no_ste": ("dsmoe", {"steps": 20, "lr": 2e-5, "variant": "no_ste", "checkpoint_every": 0}),
+    "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
+    "dense2moe_prune_upcycle": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
                                               "variant": "prune_upcycle"}),
-    "dense2moe_prune_only": ("dense2moe", {"steps": 60, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
+    "dense2moe_prune_only": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
                                            "variant": "prune_only"}),
     "cmoe": ("cmoe", {}),
 }
@@ -170,7 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="all", help="comma-separated row names, or all: " + ", ".join(ROWS))
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--eval-chars", type=int, default=200_000)
+    parser.add_argument("--eval-chars", type=int, default=100_000)
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     parser.add_argument("--run-row", help=argparse.SUPPRESS)  # one row, in this process (the driver's child)
     parser.add_argument("--eval-file", type=Path, help=argparse.SUPPRESS)
