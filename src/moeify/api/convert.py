@@ -20,7 +20,7 @@ from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
 from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model
 from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
-from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, tracking_routing
+from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.options import OptionError, build_config
 
@@ -96,7 +96,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     moe = ctx.model.eval()
     quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)
     routing = routing_summary(moe)  # the evaluation pass tracked the routing
-    active = activated_parameters(moe, measured=True).as_dict()
+    measured = activated_parameters(moe, measured=True)
+    active = measured.as_dict()
     nominal = nominal_activated_parameters(moe)
     timings = {"convert_s": convert_s}
     if spec.analyze is not None:  # after the common measurements: analyses may re-route and re-measure
@@ -114,6 +115,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "metrics": {"dense_ppl": dense_quality["ppl"], "ppl": quality["ppl"], "eval_tokens": quality["tokens"],
                     "dense_eval": dense_quality, "eval": quality},
         "active": active,
+        "paper_ratio": paper_ratio(moe, measured, spec.paper_ratio),
         "nominal_active": None if nominal is None else nominal.as_dict(),
         "routing": routing,
         "speed": None if speed is None else {

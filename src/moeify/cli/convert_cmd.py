@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             ("eval tokens", str(rec["metrics"]["eval_tokens"])),
             ("activated MLP ratio", f"{rec['active']['mlp_ratio']:.3f}"),
             ("activated param ratio (APR)", f"{rec['active']['apr']:.3f}"),
+            (f"as the paper counts it ({rec['paper_ratio']['kind']})", f"{rec['paper_ratio']['value']:.3f}"),
             ("active / total params", f"{rec['active']['active_params']:,.0f} / {rec['active']['total_params']:,}"),
             ("conversion time", f"{rec['timings']['convert_s']:.1f} s")]
     if rec["speed"]:

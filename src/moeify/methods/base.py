@@ -56,7 +56,8 @@ class Method:
     cannot be matched, ``unmatched`` saying why. ``runtime_options``: options of a converted model that
     are not router options (name -> setter(model, value) returning the function that undoes it).
     ``model_analysis(model, batches, device, progress)``: an analysis of a dense model on its own
-    (``moeify analyze``): record entries and files."""
+    (``moeify analyze``): record entries and files. ``paper_ratio``: how the method's paper counts its
+    activated ratio (a key of ``moe.accounting.PAPER_RATIOS``), recorded beside the APR."""
 
     name: str
     paper: str
@@ -68,6 +69,7 @@ class Method:
     unmatched: str = "it has no budget option"
     runtime_options: Mapping[str, RuntimeOption] = field(default_factory=dict)
     model_analysis: ModelAnalysis | None = None
+    paper_ratio: str = "apr"
 
     def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
         """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load

@@ -137,6 +137,33 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
                         per_layer_mlp_ratio=per_layer, measured=any_measured)
 
 
+PAPER_RATIOS = {
+    "ffn": "activated FFN parameters / FFN parameters (CMoE counts the converted FFN only)",
+    "apr": "activated attention + MLP projection parameters / all of them (MoRE Eq. 16; ToMoE)",
+    "model": "activated parameters / all parameters, embeddings, norms and LM head included (DSMoE, Dense2MoE)",
+}
+
+
+def paper_ratio(model: nn.Module, active: ActiveParams, kind: str) -> dict[str, Any]:
+    """The activated ratio as a method's own paper defines it (``PAPER_RATIOS``), from ``active``. For
+    ``model``, the parameters outside the attention and MLP modules (embeddings, norms, LM head; a tied
+    head once) count as always active, in numerator and denominator; a removed layer's norms are not
+    counted (a few thousand parameters)."""
+    if kind == "ffn":
+        value = active.mlp_ratio
+    elif kind == "apr":
+        value = active.apr
+    elif kind == "model":
+        adapter = DecoderAdapter(model)
+        inner = {id(p) for i in range(adapter.num_layers)
+                 for m in (adapter.attention_module(i), adapter.mlp_module(i)) for p in m.parameters()}
+        other = sum(p.numel() for p in model.parameters() if id(p) not in inner)
+        value = (active.active_params + other) / (active.total_params + other)
+    else:
+        raise ValueError(f"paper ratio {kind!r} is unknown; known: {', '.join(PAPER_RATIOS)}")
+    return {"kind": kind, "definition": PAPER_RATIOS[kind], "value": value}
+
+
 def nominal_activated_parameters(model: nn.Module) -> ActiveParams | None:
     """``activated_parameters`` under the routers' nominal expert counts; None when a router has none
     (its expert count depends on the data, like DSMoE's threshold router)."""

@@ -44,6 +44,7 @@ CMOE = Method(
     config_cls=CmoeConfig,
     convert=convert,
     match_budget=match_budget,
+    paper_ratio="ffn",
 )
 
 __all__ = ["CMOE", "CmoeConfig"]

@@ -69,6 +69,7 @@ DENSE2MOE = Method(
     convert=convert,
     unmatched="it removes whole decoder layers; its APR follows from the layers it prunes",
     model_analysis=similarity_analysis,
+    paper_ratio="model",
 )
 
 __all__ = ["DENSE2MOE", "Dense2moeConfig"]

@@ -49,6 +49,7 @@ DSMOE = Method(
     convert=convert,
     analyze=analyze,
     unmatched="its sparsity is learned (threshold tau), not set by a budget",
+    paper_ratio="model",
 )
 
 __all__ = ["DSMOE", "DsmoeConfig"]

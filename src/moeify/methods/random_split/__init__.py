@@ -25,6 +25,7 @@ RANDOM_SPLIT = Method(
     config_cls=RandomSplitConfig,
     convert=convert,
     match_budget=match_budget,
+    paper_ratio="ffn",
 )
 
 __all__ = ["RANDOM_SPLIT", "RandomSplitConfig"]
