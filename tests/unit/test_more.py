@@ -97,7 +97,7 @@ def test_layer_strategies_and_budget():
     ({"act_ratio": "1"}, r"act_ratio=1.0 is out of range; allowed: \(0, 1\)"),
     ({"share_ratio": "0.3"}, r"set exactly one"),
     ({"target_pr": "0"}, r"target_pr=0.0 is out of range"),
-    ({"variant": "petals"}, r"variant='petals' is not allowed; choose one of: full, backbone, random, naive"),
+    ({"variant": "petals"}, r"variant='petals' is not allowed; choose one of: full, backbone, random, random_petals, naive"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(OptionError, match=message):
@@ -113,7 +113,7 @@ def test_model_dependent_errors(make_ctx):
         convert(ctx, build_config(MoreConfig, {**CALIB, "target_pr": "0.9"}))
 
 
-@pytest.mark.parametrize("variant", ["backbone", "random", "naive"])
+@pytest.mark.parametrize("variant", ["backbone", "random", "random_petals", "naive"])
 def test_variants_build_and_match_the_budget(variant, make_ctx):
     ctx = make_ctx(tiny_model("qwen2", **STORIES_VOCAB))
     details = convert(ctx, build_config(MoreConfig, {**CALIB, "variant": variant}))
@@ -125,6 +125,24 @@ def test_variants_build_and_match_the_budget(variant, make_ctx):
         assert all(layer.router is None and not layer.experts for layer in layers)
     if variant == "naive":
         assert all(layer.shared is None for layer in layers)
+    if variant == "random":  # MoRE-Random: MoRE's petals, tokens routed at random
+        assert all(layer.router.kind == "random" for layer in layers)
+        full = make_ctx(tiny_model("qwen2", **STORIES_VOCAB))
+        convert(full, build_config(MoreConfig, CALIB))
+        # the first converted layer sees the same inputs: the same petals (later ones see other inputs)
+        assert layers[0].spec()["expert_widths"] == moe_layers(full.model)[0].spec()["expert_widths"]
+
+
+def test_random_routing_ignores_the_experts_and_is_deterministic_per_token():
+    from moeify.runtime.routers import RandomRouter
+
+    router = RandomRouter(16, 4)
+    router.directions.copy_(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(400, 16, generator=torch.Generator().manual_seed(1))
+    first, again = router(x), router(x)
+    assert torch.equal(first.expert, again.expert) and torch.equal(first.token, again.token)
+    assert first.counts.min() > 50  # every petal gets a share of the tokens
+    assert torch.equal(router.linear_form().weight, router.directions.double())
 
 
 @pytest.mark.parametrize("family", ["llama", "phi"])

@@ -340,5 +340,35 @@ class ArgmaxRouter(nn.Module):
         return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
 
 
+class RandomRouter(nn.Module):
+    """Random routing (MoRE's MoRE-Random ablation, Table 6): the ``top_k`` experts of largest score
+    x . w_i for a fixed random Gaussian w_i drawn at conversion, unit weight. Which expert a token gets
+    has nothing to do with what the experts hold; drawing it from the token (rather than a fresh random
+    number per call) keeps the model deterministic, so a saved model reloads to the same logits, and
+    makes it a linear router that standard formats run. About balanced: each direction wins an equal
+    share of tokens in expectation."""
+
+    kind = "random"
+    expert_scale = 1.0
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.register_buffer("directions", torch.zeros(num_experts, hidden_size))
+
+    expected_experts = top_k_experts
+    set_option = set_top_k
+
+    def spec(self) -> dict[str, Any]:
+        return top_k_spec(self)
+
+    def linear_form(self) -> LinearForm:
+        return LinearForm(self.directions.detach().double(), self.top_k, "unit")
+
+    def forward(self, x: Tensor) -> Dispatch:
+        chosen = torch.topk(x.float() @ self.directions.float().T, self.top_k, dim=-1).indices
+        return Dispatch.from_topk(chosen, torch.ones_like(chosen, dtype=x.dtype), self.num_experts)
+
+
 ROUTERS: dict[str, type[nn.Module]] = {router.kind: router for router in (
-    RepresentativeRouter, PrototypeRouter, ThresholdRouter, SoftmaxTopKRouter, ArgmaxRouter)}
+    RepresentativeRouter, PrototypeRouter, ThresholdRouter, SoftmaxTopKRouter, ArgmaxRouter, RandomRouter)}

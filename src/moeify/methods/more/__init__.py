@@ -23,10 +23,11 @@ The layer is an ``MoeMLP`` whose shared part is the backbone and whose experts a
 the backbone and the chosen petal are computed.
 
 Variants (§E.1-E.3): ``backbone`` keeps, statically, the top channels by importance at the same
-budget (k_share + mean petal size per layer: MoRE-Backbone); ``random`` replaces the spectral petals by
-random ones of the same sizes, routing built the same way, so that it measures what the spectral
-clustering alone contributes (the paper's Table 6 MoRE-Random routes randomly instead, which changes
-the router as well); ``naive`` spectrally clusters all channels of a layer into
+budget (k_share + mean petal size per layer: MoRE-Backbone); ``random`` is Table 6's MoRE-Random: the
+same backbone and petals, tokens assigned to petals at random (``runtime.routers.RandomRouter``: a
+fixed random direction per petal, so the assignment is deterministic per token and unrelated to the
+petals' content); ``random_petals`` replaces the spectral petals by random ones of the same sizes,
+routed as MoRE, so that it measures what the spectral clustering alone contributes; ``naive`` spectrally clusters all channels of a layer into
 n_c disjoint experts with no backbone, routed top-1 like MoRE, with n_c (closest to r) and the number
 of converted layers solved so that its PR matches the full variant's (Table 10).
 """

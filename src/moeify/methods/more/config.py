@@ -28,7 +28,9 @@ class MoreConfig:
     seq_len: int = option(256, "calibration sequence length", low=2)
     min_size_ratio: float = option(0.5, "smallest petal / mean petal size (§E.5)", low=0.0, high=1.0, low_open=True)
     max_size_ratio: float = option(1.5, "largest petal / mean petal size (§E.5)", low=1.0)
-    variant: Literal["full", "backbone", "random", "naive"] = option("full", "ablation (Tables 6, 10, 11)")
+    variant: Literal["full", "backbone", "random", "random_petals", "naive"] = option(
+        "full", "ablation (Tables 6, 10, 11): random = MoRE-Random (random routing); random_petals = random "
+                "petals of the same sizes, routed as MoRE")
 
     def validate(self) -> None:
         if (self.share_ratio is None) == (self.target_pr is None):

@@ -29,7 +29,7 @@ from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.runtime.moe import MoeMLP
-from moeify.runtime.routers import PrototypeRouter
+from moeify.runtime.routers import PrototypeRouter, RandomRouter
 
 
 def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:
@@ -64,9 +64,15 @@ class _PrototypeAccumulator:
         return self.sums / self.counts.clamp_min(1)[:, None]  # mu_i; Eq. 11 (zero if no token chose i)
 
 
-def _routed_layer(mlp: MlpWeights, shared: Tensor, experts: list[Tensor], prototypes: Tensor) -> MoeMLP:
-    router = PrototypeRouter(mlp.hidden_size, len(experts), top_k=1)
-    router.prototypes.copy_(prototypes.float())
+def _routed_layer(mlp: MlpWeights, shared: Tensor, experts: list[Tensor], prototypes: Tensor,
+                  random_routing: torch.Generator | None = None) -> MoeMLP:
+    """The MoRE layer with its prototype router, or (MoRE-Random) a router that assigns tokens at random."""
+    if random_routing is None:
+        router = PrototypeRouter(mlp.hidden_size, len(experts), top_k=1)
+        router.prototypes.copy_(prototypes.float())
+    else:
+        router = RandomRouter(mlp.hidden_size, len(experts), top_k=1)
+        router.directions.copy_(torch.randn(router.directions.shape, generator=random_routing))
     return moe_from_partition(mlp, ExpertPartition(shared, tuple(e.sort().values for e in experts)), router)
 
 
@@ -90,12 +96,13 @@ def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreCon
     else:
         shared, rest = order[:k_share].sort().values, order[k_share:].sort().values
         groups = petals(stats.coactivation, rest, r, cfg, seed)  # C_R with zeroed diagonal
-        if cfg.variant == "random":
+        if cfg.variant == "random_petals":
             groups = list(random_partition(rest, [g.numel() for g in groups], generator))
     accumulator = _PrototypeAccumulator(mlp, [torch.cat([shared, g]) for g in groups], cfg.alpha)  # E_i
     with capture(accumulator.update):
         step_run()
-    layer = _routed_layer(mlp, shared, groups, accumulator.prototypes())
+    layer = _routed_layer(mlp, shared, groups, accumulator.prototypes(),
+                          generator if cfg.variant == "random" else None)
     info.update({"backbone": shared.numel(), "petal_sizes": [g.numel() for g in groups],
                  "calib_tokens_per_expert": accumulator.counts.long().tolist()})
     return layer, info
