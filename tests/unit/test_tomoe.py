@@ -32,7 +32,7 @@ def converted(family, make_ctx, work_dir=None, **options):
 
 def test_straight_through_estimators_are_hard_forward_and_soft_backward():
     logits = torch.tensor([[-5.0, -2.9, 0.0]], requires_grad=True)
-    hard = st_gumbel_sigmoid(logits, tau=0.4, noise=False)
+    hard = st_gumbel_sigmoid(logits, tau=0.4, noise=None)
     assert hard.tolist() == [[0.0, 1.0, 1.0]]  # round(sigmoid((x + b) / tau)): kept where x + 3 > 0
     hard.sum().backward()
     soft = torch.sigmoid((logits.detach() + KEEP_BIAS) / 0.4)
@@ -54,7 +54,7 @@ def test_untrained_masks_keep_the_whole_model(make_ctx):
     with torch.no_grad():
         masked.set_embeddings(theta.hypernet())
         for part in (*masked.mlps, *masked.attention):
-            part.noise = False
+            part.noise = None
         assert torch.allclose(ctx.model(IDS).logits, dense(IDS).logits, atol=1e-5)  # b = 3: all ones
         masked.restore()
         assert torch.equal(ctx.model(IDS).logits, dense(IDS).logits)
@@ -134,3 +134,11 @@ def test_top1_mlp_experts_export_exactly_and_pruned_attention_is_explained(make_
     _, ctx, _ = converted("llama", make_ctx, attention="on", active_ratio=0.8)
     support = EXPORTERS["mixtral"].supports(ctx.model, explain=True)
     assert not support and "pruned head dimension" in str(support)
+
+
+def test_mask_noise_is_eq_15s_gumbel_sample_and_starts_from_the_whole_model():
+    torch.manual_seed(0)
+    logits = torch.zeros(200_000)
+    gumbel = 1 - st_gumbel_sigmoid(logits, tau=0.4).mean()  # the paper: P(g < -b) ~ 2e-9
+    logistic = 1 - st_gumbel_sigmoid(logits, tau=0.4, noise="logistic").mean()
+    assert gumbel == 0 and abs(float(logistic) - 0.047) < 0.003

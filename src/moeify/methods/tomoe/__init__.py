@@ -14,9 +14,11 @@
 Choices where the paper is open:
 - Router = Linear(d, N) without a bias: argmax routing then maps exactly onto the standard MoE formats
   (Mixtral's gate has no bias).
-- The Gumbel-Sigmoid noise is logistic (g1 - g2 of two Gumbel samples, the two-class Gumbel-softmax);
-  Eq. 15 writes one Gumbel sample, whose median (0.37) would make training's masks systematically wider
-  than the noise-free masks of the converted model.
+- The Gumbel-Sigmoid noise is Eq. 15's single Gumbel(0, 1) sample: with b = 3 it drops essentially no
+  neuron at the start (P(g < -3) ~ 2e-9), so training starts from the whole model as the paper says.
+  Its median (0.37) makes training's masks slightly wider than the noise-free masks of the converted
+  model; ``mask_noise=logistic`` (g1 - g2, median 0) removes that shift but drops 4.7 % of a logit-0 mask
+  from the first step.
 - The hypernetwork's Bi-GRU runs over the layers (batch: the N experts), z is (L, N, 32).
 - T(d_MoE) of R_P counts V/O at the mean per-token width (K is its rounded mean after training) and MLPs at
   the widest expert (Eq. 8); T_total is the dense attention + MLP projections, so ``active_ratio`` is the

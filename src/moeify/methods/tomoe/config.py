@@ -21,6 +21,9 @@ class TomoeConfig:
     lr: float = option(1e-3, "AdamW learning rate (constant)", low=0.0, low_open=True)
     weight_decay: float = option(0.05, "AdamW weight decay", low=0.0)
     tau: float = option(0.4, "Gumbel temperature of Eq. 14-15", low=0.0, low_open=True)
+    mask_noise: Literal["gumbel", "logistic"] = option(
+        "gumbel", "noise g of the neuron masks (Eq. 15): one Gumbel(0, 1) sample (the paper), or logistic "
+                  "(median 0, but drops ~5 % of every mask from the first step)")
     alpha: float = option(16.0, "weight of R_P, the parameter regulariser (Eq. 8)", low=0.0)
     beta: float = option(2.0, "weight of R_U, the union-of-experts regulariser (Eq. 7)", low=0.0)
     gamma: float = option(1.0, "weight of R_L, the load-balancing loss (Eq. 9)", low=0.0)

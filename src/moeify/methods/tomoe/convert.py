@@ -88,7 +88,7 @@ def budget_threshold(logits: list[Tensor], per_neuron: list[int], budget: float)
 def _vo_widths(ctx: ConversionContext, masked: MaskedModel, cfg: TomoeConfig, seq_len: int) -> list[int]:
     """K per layer: the rounded mean count of the noise-free s_t over calibration tokens (§3.3)."""
     for part in (*masked.mlps, *masked.attention):
-        part.noise = False
+        part.noise = None
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     counts = [0.0] * len(masked.attention)
     with torch.no_grad():

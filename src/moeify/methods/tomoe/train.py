@@ -67,11 +67,11 @@ class MaskedModel:
         adapter = ctx.adapter
         self.dense = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
         self.weights = [adapter.mlp(i) for i in range(adapter.num_layers)]
-        self.mlps = [MaskedMLP(w, m, cfg.tau) for w, m in zip(self.weights, theta.layers)]
+        self.mlps = [MaskedMLP(w, m, cfg.tau, cfg.mask_noise) for w, m in zip(self.weights, theta.layers)]
         self.attention = []
         if cfg.attention == "on":
             self.attention = [AttentionMasks(adapter.attention_module(i), adapter.attention_projections(i), m,
-                                             cfg.tau) for i, m in enumerate(theta.layers)]
+                                             cfg.tau, cfg.mask_noise) for i, m in enumerate(theta.layers)]
         self.total = sum(adapter.attention_params(i) + w.num_params for i, w in enumerate(self.weights))
         for i, mlp in enumerate(self.mlps):
             adapter.replace_mlp_(i, mlp)
