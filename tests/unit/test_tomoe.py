@@ -142,3 +142,21 @@ def test_mask_noise_is_eq_15s_gumbel_sample_and_starts_from_the_whole_model():
     gumbel = 1 - st_gumbel_sigmoid(logits, tau=0.4).mean()  # the paper: P(g < -b) ~ 2e-9
     logistic = 1 - st_gumbel_sigmoid(logits, tau=0.4, noise="logistic").mean()
     assert gumbel == 0 and abs(float(logistic) - 0.047) < 0.003
+
+
+def test_pruned_attention_decodes_step_by_step_as_on_the_whole_sequence(make_ctx):
+    """The KV cache of the pruned attention (narrow Q/K, per-token V/O dimensions) gives, token by token,
+    the logits of the full-sequence forward."""
+    _, ctx, _ = converted("llama", make_ctx)
+    model = ctx.model.eval()
+    assert any(isinstance(m, PrunedAttention) for m in model.modules())
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :4], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(4, ids.shape[1]):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)

@@ -148,7 +148,8 @@ def learned_masks(ctx: ConversionContext, cfg: TomoeConfig,
     leaving the block, also when an exception escapes it (unless the block restored it itself)."""
     masked = None
     try:
-        with torch.random.fork_rng(devices=[]):  # Theta's init and the Gumbel noise from the seed; caller's RNG untouched
+        # Theta's init and the Gumbel noise from the seed; the caller's CPU and work-device RNGs untouched
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             torch.manual_seed(ctx.seed)
             theta = TomoeModules(ctx, cfg).to(ctx.device)
             with frozen(ctx.model):
