@@ -6,7 +6,7 @@ import torch
 import moeify
 from moeify.api import ConversionResult, set_runtime_options
 from moeify.methods.tomoe import TomoeConfig
-from moeify.methods.tomoe.convert import budget_threshold, convert, widened_experts
+from moeify.methods.tomoe.convert import budget_threshold, convert, mlp_cost, widened_experts
 from moeify.methods.tomoe.modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, f_reg
 from moeify.moe.accounting import activated_parameters
@@ -66,7 +66,7 @@ def test_experts_are_widened_from_the_union_and_the_budget_threshold_meets_it():
     assert [s.tolist() for s in widened_experts(logits)] == [[0, 2], [1, 2]]  # expert 1 adds neuron 2 (best in union)
     assert [s.tolist() for s in widened_experts(logits, -0.6)] == [[0, 1, 2], [1, 2, 4]]
     layers = [logits, logits * 2]
-    theta = budget_threshold(layers, [10, 10], budget=50)  # widths (w1 + w2) x 10 <= 50
+    theta = budget_threshold(mlp_cost(layers, [10, 10]), layers, budget=50)  # widths (w1 + w2) x 10 <= 50
     widths = [int((x > theta).sum(1).max()) for x in layers]
     assert sum(widths) * 10 <= 50 and sum(widths) == 5
 
@@ -160,3 +160,14 @@ def test_pruned_attention_decodes_step_by_step_as_on_the_whole_sequence(make_ctx
             steps.append(out.logits)
             cache = out.past_key_values
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_budget_correction_narrows_attention_and_mlp_together(make_ctx):
+    """With an unconverged run (3 steps: masks still near the whole model), the one threshold over both
+    module kinds prunes attention too, instead of taking the whole budget out of the MLPs."""
+    _, ctx, details = converted("llama", make_ctx, active_ratio=0.5)
+    assert details["mask_threshold"] > 0  # training did not reach the budget: the correction did
+    attention = [m for m in ctx.model.modules() if isinstance(m, PrunedAttention)]
+    assert any(m.active_params() < m.dense_params for m in attention)
+    counted = activated_parameters(ctx.model, measured=False)
+    assert counted.apr == pytest.approx(0.5, abs=0.02) and counted.mlp_ratio > 0.3

@@ -59,6 +59,15 @@ class HeadDimRouter(nn.Module):
         return {"kind": self.kind, "embed_dim": self.proj_e.out_features, "top_k": self.top_k}
 
 
+def pruned_projection_params(hidden: int, heads: int, kv_heads: int, qk_dims: int, vo_width: int, qkv_bias: bool,
+                             o_bias: bool) -> int:
+    """Projection parameters one token uses in an attention whose every head keeps ``qk_dims`` query/key
+    dimensions and ``vo_width`` value/output dimensions."""
+    qk = (heads + kv_heads) * qk_dims * (hidden + int(qkv_bias))
+    vo = vo_width * (heads + kv_heads) * hidden + (vo_width * kv_heads if qkv_bias else 0)
+    return qk + vo + (hidden if o_bias else 0)
+
+
 class PrunedAttention(nn.Module):
     """See the module docstring. ``spec()`` rebuilds the structure; the weights come from safetensors."""
 
@@ -100,13 +109,9 @@ class PrunedAttention(nn.Module):
 
     def active_params(self) -> int:
         """Projection parameters one token uses: narrower q/k, and v/o at the kept (or top-K) width."""
-        qk = self.q_proj.weight.numel() + self.k_proj.weight.numel()
-        biases = sum(p.bias.numel() for p in (self.q_proj, self.k_proj) if p.bias is not None)
         vo_width = self.router.top_k if self.router is not None else len(self.vo_index)
-        vo = vo_width * self.hidden_size * (self.num_heads + self.num_kv_heads)
-        vo += vo_width * self.num_kv_heads if self.v_proj.bias is not None else 0
-        vo += self.hidden_size if self.o_proj.bias is not None else 0
-        return qk + biases + vo
+        return pruned_projection_params(self.hidden_size, self.num_heads, self.num_kv_heads, len(self.qk_index),
+                                        vo_width, self.v_proj.bias is not None, self.o_proj.bias is not None)
 
     @property
     def hidden_size(self) -> int:

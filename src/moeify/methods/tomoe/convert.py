@@ -1,21 +1,26 @@
 """ToMoE's conversion after training (§3.5, Appendix A.1, Fig. 8): learned masks -> real MoE modules.
 
+- Budget: a short training run may end before R_P reaches 0, so every mask (MLP s_e, attention s_0 and
+  s_t) thresholds its logits at the one value theta, shared by all layers and both module kinds, at
+  which the activated attention + MLP parameters meet p T_total as R_P defines it: theta = 0 when
+  training converged (``budget_threshold``, recorded as ``mask_threshold``). Correcting the MLP alone
+  would leave an unconverged attention wide and take the whole correction out of the MLPs.
 - MLP: s_e = round(sigmoid(Proj_D^MLP(E) + b)) (Eq. 11 without noise: inference is deterministic); the
-  hypernetwork and Proj_D^MLP are dropped. A short training run may end before R_P reaches 0, so s_e
-  thresholds the logits at the one value theta (shared by all layers) that meets p T_total exactly, as
-  R_P asks: theta = 0 when training converged (``budget_threshold``, recorded as ``mask_threshold``).
+  hypernetwork and Proj_D^MLP are dropped.
   Every expert is widened to the layer's widest expert (the paper
   "adjust[s] the width of all experts to match the maximum size among them") with the union neurons of
   highest Proj_D^MLP logit it lacks, so only neurons in the union of experts are kept. The layer becomes
   an ``MoeMLP`` whose experts are those neuron subsets (Eq. 12) with an ``ArgmaxRouter`` (top-1, unscaled
   output, Eq. 13); the neuron sets are kept (``expert_neurons``) for the pseudo-MoE of Appendix B.3.
 - Attention: Q/K keep the dimensions of the noise-free s_0' (at least one pair); V/O become top-K routing,
-  K = round(mean over calibration tokens of the noise-free s_t count) (§3.3), with the mean expert
+  K = round(mean over calibration tokens of the noise-free s_t count, at least 1) (§3.3), with the mean expert
   embedding folded into Proj_E^MHA's bias (§3.5): a ``PrunedAttention`` with a ``HeadDimRouter``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +36,7 @@ from moeify.moe.build import expert_mlp
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.plots import training_curves
-from moeify.runtime.attention import HeadDimRouter
+from moeify.runtime.attention import HeadDimRouter, pruned_projection_params
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import ArgmaxRouter
 
@@ -71,32 +76,64 @@ def expert_width(logits: Tensor, threshold: float) -> int:
     return max(int((logits > threshold).sum(dim=1).max()), 1)
 
 
-def budget_threshold(logits: list[Tensor], per_neuron: list[int], budget: float) -> float:
-    """The mask threshold theta at which the MLPs' activated parameters (widest expert per layer, Eq. 8)
-    come closest to ``budget`` from below: R_P's target, met exactly. theta = 0 when training reached it."""
-    def cost(theta: float) -> float:
-        return sum(expert_width(x, theta) * p for x, p in zip(logits, per_neuron))
+def mlp_cost(logits: list[Tensor], per_neuron: list[int]) -> Callable[[float], float]:
+    """The MLPs' activated parameters at threshold theta: the widest expert of each layer (Eq. 8)."""
+    return lambda theta: sum(expert_width(x, theta) * p for x, p in zip(logits, per_neuron))
 
+
+def budget_threshold(cost: Callable[[float], float], logits: list[Tensor], budget: float) -> float:
+    """The mask threshold theta at which ``cost(theta)`` (activated parameters, falling as theta rises)
+    comes closest to ``budget`` from below: R_P's target, met exactly; ``logits`` bound the search."""
     every = torch.cat([x.flatten() for x in logits])
-    low, high = float(every.min()) - 1.0, float(every.max()) + 1.0  # cost(low) is the widest, cost(high) 1 each
+    low, high = float(every.min()) - 1.0, float(every.max()) + 1.0  # cost(low) is the widest, cost(high) the least
     for _ in range(60):
         mid = (low + high) / 2
         low, high = (mid, high) if cost(mid) > budget else (low, mid)
     return high
 
 
-def _vo_widths(ctx: ConversionContext, masked: MaskedModel, cfg: TomoeConfig, seq_len: int) -> list[int]:
-    """K per layer: the rounded mean count of the noise-free s_t over calibration tokens (§3.3)."""
+@dataclass(frozen=True)
+class AttentionLogits:
+    """One layer's noise-free attention mask logits (b included): s_0's half head (head_dim / 2,) and s_t
+    of every calibration token (tokens, head_dim); ``geometry``: what ``pruned_projection_params`` needs."""
+
+    qk_half: Tensor
+    vo_tokens: Tensor
+    geometry: tuple[int, int, int, bool, bool]  # hidden, heads, kv_heads, qkv bias, o bias
+
+    def kept_pairs(self, theta: float) -> Tensor:
+        kept = (self.qk_half > theta).nonzero().flatten()
+        return kept if kept.numel() else self.qk_half.argmax().reshape(1)
+
+    def vo_top_k(self, theta: float) -> int:
+        return max(1, round(float((self.vo_tokens > theta).sum(1).float().mean())))
+
+    def cost(self, theta: float) -> int:
+        hidden, heads, kv_heads, qkv_bias, o_bias = self.geometry
+        return pruned_projection_params(hidden, heads, kv_heads, 2 * len(self.kept_pairs(theta)), self.vo_top_k(theta),
+                                        qkv_bias, o_bias)
+
+
+def _attention_logits(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, cfg: TomoeConfig,
+                      seq_len: int, embeddings: Tensor) -> list[AttentionLogits]:
+    """Every layer's noise-free s_0 and s_t logits, s_t over the calibration tokens (§3.3)."""
     for part in (*masked.mlps, *masked.attention):
         part.noise = None
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
-    counts = [0.0] * len(masked.attention)
-    with torch.no_grad():
-        for batch in batches.split(1):
-            ctx.model(input_ids=batch.to(ctx.device), use_cache=False)
-            for i, masks in enumerate(masked.attention):
-                counts[i] += float(masks.tokens_kept.sum())
-    return [max(1, round(c / batches.numel())) for c in counts]
+    tokens: list[list[Tensor]] = [[] for _ in masked.attention]
+    for batch in batches.split(1):
+        ctx.model(input_ids=batch.to(ctx.device), use_cache=False)
+        for i, masks in enumerate(masked.attention):
+            tokens[i].append(masks.token_logits.reshape(-1, masks.head_dim) + KEEP_BIAS)
+    adapter = ctx.adapter
+    out = []
+    for i, modules in enumerate(theta.layers):
+        attn, proj = adapter.attention_module(i), adapter.attention_projections(i)
+        heads, kv_heads = proj["q"].out_features // attn.head_dim, proj["k"].out_features // attn.head_dim
+        geometry = (proj["q"].in_features, heads, kv_heads, proj["v"].bias is not None, proj["o"].bias is not None)
+        out.append(AttentionLogits(modules.proj_qk(embeddings[i].mean(dim=0)) + KEEP_BIAS, torch.cat(tokens[i]),
+                                   geometry))
+    return out
 
 
 def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, cfg: TomoeConfig,
@@ -107,16 +144,23 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
     with torch.no_grad():
         embeddings = theta.hypernet()
         masked.set_embeddings(embeddings)
-        vo_widths = _vo_widths(ctx, masked, cfg, seq_len) if masked.attention else []
+        attention = _attention_logits(ctx, theta, masked, cfg, seq_len, embeddings) if masked.attention else []
         masked.restore()
-        layers: list[dict[str, Any]] = [{} for _ in theta.layers]
-        for i, modules in enumerate(theta.layers if masked.attention else []):
-            layers[i].update(_prune_attention_(adapter, i, modules, embeddings[i].mean(dim=0), vo_widths[i]))
-        attention = sum(layer_attention_counts(adapter, i, measured=False)[1] for i in range(adapter.num_layers))
         output_biases = sum(0 if w.down_bias is None else w.down_bias.numel() for w in masked.weights)
         all_logits = [m.proj_mlp(embeddings[i]) + KEEP_BIAS for i, m in enumerate(theta.layers)]
-        theta_ = budget_threshold(all_logits, [w.params_per_neuron() for w in masked.weights],
-                                  cfg.active_ratio * masked.total - attention - output_biases)
+        mlps = mlp_cost(all_logits, [w.params_per_neuron() for w in masked.weights])
+        if attention:  # one threshold over attention and MLP masks, as R_P counts both
+            cost = lambda t: mlps(t) + sum(a.cost(t) for a in attention)  # noqa: E731
+            bounds = all_logits + [x for a in attention for x in (a.qk_half, a.vo_tokens)]
+            theta_ = budget_threshold(cost, bounds, cfg.active_ratio * masked.total - output_biases)
+        else:
+            dense_attention = sum(layer_attention_counts(adapter, i, measured=False)[1]
+                                  for i in range(adapter.num_layers))
+            theta_ = budget_threshold(mlps, all_logits, cfg.active_ratio * masked.total - dense_attention - output_biases)
+        layers: list[dict[str, Any]] = [{} for _ in theta.layers]
+        for i, (modules, logits) in enumerate(zip(theta.layers, attention)):
+            layers[i].update(_prune_attention_(adapter, i, modules, embeddings[i].mean(dim=0),
+                                               logits.kept_pairs(theta_), logits.vo_top_k(theta_)))
         for i, (modules, weights, logits) in enumerate(zip(theta.layers, masked.weights, all_logits)):
             sets = widened_experts(logits, theta_)
             router = ArgmaxRouter(weights.hidden_size, cfg.num_experts)
@@ -131,14 +175,13 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
     return {"layers": layers, "mask_threshold": theta_}
 
 
-def _prune_attention_(adapter: Any, i: int, modules: Any, mean_embedding: Tensor, top_k: int) -> dict[str, int]:
+def _prune_attention_(adapter: Any, i: int, modules: Any, mean_embedding: Tensor, kept: Tensor,
+                      top_k: int) -> dict[str, int]:
+    """Layer i's attention with the Q/K pairs ``kept`` (s_0 over the first half of the head, Appendix A.2)
+    and the V/O top-``top_k`` router."""
     attn = adapter.attention_module(i)
-    half = modules.proj_qk(mean_embedding) + KEEP_BIAS  # s_0 logits, first half of the head (Appendix A.2)
-    kept = (half > 0).nonzero().flatten()
-    if kept.numel() == 0:
-        kept = half.argmax().reshape(1)
     hidden = adapter.attention_projections(i)["q"].in_features
-    router = HeadDimRouter(hidden, attn.head_dim, EMBED_DIM, top_k).to(half)
+    router = HeadDimRouter(hidden, attn.head_dim, EMBED_DIM, top_k).to(mean_embedding)
     router.proj_e.weight.copy_(modules.proj_e.weight)
     router.proj_e.bias.copy_(modules.proj_e.bias + mean_embedding)  # (1/N) 1^T E as Proj_E's bias (§3.5)
     router.norm.load_state_dict(modules.proj_vo[0].state_dict())

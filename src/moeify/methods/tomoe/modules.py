@@ -135,6 +135,7 @@ class AttentionMasks:
         self.enabled = True
         self.noise: str | None = mask_noise
         self.tokens_kept: Tensor | None = None
+        self.token_logits: Tensor | None = None
         self.qk_kept: Tensor | None = None
         self._token_masks: Tensor | None = None
         self._handles: list[RemovableHandle] = [
@@ -152,8 +153,9 @@ class AttentionMasks:
         m = self.modules_
         half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise)   # s_0: Eq. 5 at t = 0
         self.qk_kept = torch.cat([half, half])                                           # Appendix A.2
-        self._token_masks = st_gumbel_sigmoid(m.proj_vo(m.proj_e(x) + self.mean_embedding), self.tau,
-                                              self.noise)                                # s_t: Eq. 5
+        logits = m.proj_vo(m.proj_e(x) + self.mean_embedding)
+        self.token_logits = logits.detach()  # what the conversion thresholds
+        self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise)              # s_t: Eq. 5
         self.tokens_kept = self._token_masks.reshape(-1, self.head_dim)
 
     def _apply(self, out: Tensor, mask: Tensor) -> Tensor:
