@@ -3,18 +3,21 @@
 Protocol (as the papers): perplexity on a fixed prefix of WikiText-2 raw test (``--eval-chars``, default
 the first 100,000 characters), BOS once, non-overlapping 2048-token windows; calibration and training on
 WikiText-2 valid (never the evaluation text). Each row runs in a fresh process: load, convert, measure
-perplexity and the activated-parameter ratio (MoRE's APR, measured on the evaluation tokens), then the
-speed of the dense model and of the converted one in the same process (``moeify bench``'s
-``benchmark_pair``: prefill at batch 1 and 8, greedy decode). Rows are appended to ``--out`` as JSON lines
-as they finish, and a rerun skips the rows already there (same name and options), so a long run can be
-continued; ``--markdown`` prints the table of what the file holds.
+perplexity and the activated-parameter ratio (MoRE's APR, measured on the evaluation tokens), and save
+the converted model (``--models``). Rows are appended to ``--out`` as JSON lines as they finish, and a
+rerun skips the rows already there (same name and options), so a long run can be continued. Speed is a
+separate pass (``--speed``), run when nothing else shares the CPU: the dense model and each saved model
+in one process (``moeify bench``'s ``benchmark_pair``: prefill at batch 1 and 8, greedy decode).
+``--markdown`` prints the table of what the file holds.
 
 Rows: the dense model; every method at its defaults; APR 0.5 and 0.8 through each method's own budget
 matcher (``moeify compare``'s); 25 % of the MLP for cmoe/random_split/static_prune (S2A2E16); the
 paper's ablations; the CMoE light fine-tune recipe and static pruning with the same LoRA budget.
 
     python benchmarks/bench_real.py [--rows NAME,...|all] [--out benchmarks/results/bench_real.jsonl]
-        [--eval-chars 200000] [--markdown]
+        [--eval-chars 100000] [--models DIR]
+    python benchmarks/bench_real.py --speed [--rows ...]    # then, on a quiet machine
+    python benchmarks/bench_real.py --markdown
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_
 CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
 EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 OUT = Path(__file__).resolve().parent / "results" / "bench_real.jsonl"
+MODELS = Path(__file__).resolve().parent / "results" / "models"
 SEQ_LEN = 2048
 
 # The CPU fine-tuning recipe of the README: one pass over 384 windows of 512 tokens, 4 per step (96 steps).
@@ -97,11 +101,12 @@ def _options(method: str, options: dict[str, Any], model: Any) -> tuple[dict[str
     return tries[0], f"matched to APR {options['apr']}: {how}"
 
 
-def run_row(name: str, eval_file: Path) -> dict[str, Any]:
-    """Convert, evaluate and time one row in this process (see the module docstring)."""
+def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
+    """Convert, evaluate and save one row in this process (see the module docstring)."""
+    import moeify
+    from moeify.api import ConversionResult
     from moeify.api.evaluate import evaluate
     from moeify.calibration.data import read_text
-    from moeify.evaluation.bench import benchmark_pair
     from moeify.loading import load_model
     from moeify.methods import ConversionContext, get_method
     from moeify.moe.accounting import nominal_activated_parameters
@@ -130,10 +135,30 @@ def run_row(name: str, eval_file: Path) -> dict[str, Any]:
     row.update(ppl=result["ppl"][eval_file.name], eval_tokens=result["eval"][eval_file.name]["tokens"],
                apr=result["active"]["apr"], mlp_ratio=result["active"]["mlp_ratio"])
     if method is not None:
-        dense, _ = load_model(str(MODEL))
-        row["speed"] = benchmark_pair(dense.eval(), model, [1, 8], seq_len=256, new_tokens=16, repeats=3)
+        moeify.save(ConversionResult(model, tokenizer, {"method": method, "bench_row": name}), models / name,
+                    overwrite=True)
     row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
     return row
+
+
+def measure_speed(out: Path, models: Path, names: list[str]) -> None:
+    """The speed pass: the dense model and every saved row model in this process, written into the rows."""
+    import moeify
+    from moeify.evaluation.bench import benchmark_pair
+    from moeify.loading import load_model
+
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    dense, _ = load_model(str(MODEL))
+    for row in rows:
+        folder = models / row["row"]
+        if row["row"] not in names or row["method"] == "dense" or not folder.is_dir():
+            continue
+        row["speed"] = benchmark_pair(dense.eval(), moeify.load(folder), [1, 8], seq_len=256, new_tokens=16,
+                                      repeats=3)
+        print(json.dumps({"row": row["row"], "speedups": _speedups(row)}), flush=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(out)  # atomic: a killed pass leaves the file whole
 
 
 def _done(out: Path) -> dict[str, dict[str, Any]]:
@@ -171,12 +196,14 @@ def main() -> None:
     parser.add_argument("--rows", default="all", help="comma-separated row names, or all: " + ", ".join(ROWS))
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--eval-chars", type=int, default=100_000)
+    parser.add_argument("--models", type=Path, default=MODELS, help="where the converted models are saved")
+    parser.add_argument("--speed", action="store_true", help="measure the speed of the saved models of --rows")
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     parser.add_argument("--run-row", help=argparse.SUPPRESS)  # one row, in this process (the driver's child)
     parser.add_argument("--eval-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_row:
-        print(json.dumps(run_row(args.run_row, args.eval_file)))
+        print(json.dumps(run_row(args.run_row, args.eval_file, args.models)))
         return
     if args.markdown:
         print(markdown(_done(args.out)))
@@ -185,6 +212,10 @@ def main() -> None:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; rows: {', '.join(ROWS)}")
+    if args.speed:
+        measure_speed(args.out, args.models, names)
+        print(markdown(_done(args.out)))
+        return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = _eval_file(args.eval_chars, Path(tmp))
@@ -192,8 +223,8 @@ def main() -> None:
             if name in _done(args.out):
                 print(f"{name}: already in {args.out}", file=sys.stderr)
                 continue
-            child = subprocess.run([sys.executable, __file__, "--run-row", name, "--eval-file", str(eval_file)],
-                                   capture_output=True, text=True)
+            child = subprocess.run([sys.executable, __file__, "--run-row", name, "--eval-file", str(eval_file),
+                                    "--models", str(args.models)], capture_output=True, text=True)
             if child.returncode:
                 print(f"{name}: failed\n{child.stderr[-3000:]}", file=sys.stderr)
                 continue
