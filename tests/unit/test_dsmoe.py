@@ -181,7 +181,7 @@ def test_threshold_is_a_validated_runtime_option():
         layer.router.set_option("tau", str(tau))  # as --set passes it
         layer.reset_stats()
         layer(x)
-        assert layer.router.spec() == {"kind": "threshold", "num_experts": 4, "tau": tau}
+        assert layer.router.spec() == {"kind": "threshold", "num_experts": 4, "tau": tau, "gate_scale": 2.0}
         counts = layer.stats_expert_tokens.sum()
         assert counts == (torch.sigmoid(x @ layer.router.proj.weight.T) >= tau).sum()
     assert layer.stats_expert_tokens.sum() < 50 * 4
@@ -189,3 +189,24 @@ def test_threshold_is_a_validated_runtime_option():
         layer.router.set_option("tau", 2)
     with pytest.raises(KeyError, match="options: tau"):
         layer.router.set_option("top_k", 1)
+
+
+def test_the_paper_weighting_is_eq_7_8_and_a_random_start_uses_it():
+    from moeify.methods.dsmoe.config import gate_scale
+
+    mlp, neutral = threshold_layer(seed=3)
+    x = torch.randn(64, mlp.hidden_size, generator=torch.Generator().manual_seed(4))
+    paper = ThresholdRouter(mlp.hidden_size, 4, tau=0.5, gate_scale=1.0)
+    paper.proj.weight.data.copy_(neutral.router.proj.weight)
+    gates = paper.gates(x)
+    active = gates >= 0.5
+    expected = torch.where(active, gates, 0.0) * 4 / active.sum(1, keepdim=True).clamp_min(1)  # g n / |A|
+    got = torch.zeros_like(gates)
+    dispatch = paper(x)
+    got[dispatch.token, dispatch.expert] = dispatch.weight
+    torch.testing.assert_close(got, expected)
+    neutral_dispatch = neutral.router(x)
+    torch.testing.assert_close(neutral_dispatch.weight, 2 * dispatch.weight)  # 1 / sigma(0) on top
+    assert gate_scale(DsmoeConfig(gate_init_std=0.1)) == 1.0 and gate_scale(DsmoeConfig()) == 2.0
+    assert gate_scale(DsmoeConfig(gate_init_std=0.1, gate_weighting="neutral")) == 2.0
+    assert ThresholdRouter(8, 2, gate_scale=1.0).spec()["gate_scale"] == 1.0  # saved with the model

@@ -212,37 +212,43 @@ def passing_gates(gates: Tensor, tau: float) -> Tensor:
     return gates >= tau
 
 
-def rescaled_gate_weights(values: Tensor, active: Tensor) -> Tensor:
+NEUTRAL_GATE_SCALE = 1 / SIGMOID_AT_ZERO  # an untrained gate (g = 1/2) weighs 1
+
+
+def rescaled_gate_weights(values: Tensor, active: Tensor, gate_scale: float = NEUTRAL_GATE_SCALE) -> Tensor:
     """DSMoE's expert weights (tokens, experts) from gate values already thresholded (G(g) of Eq. 7, or
-    its straight-through form S(g) of Eq. 10 while training): ``values / sigma(0) * n / |A|``.
+    its straight-through form S(g) of Eq. 10 while training): ``values * gate_scale * n / |A|``.
 
     n / |A| is Eq. 8's rescale by the number of active experts (|A| = 0 is taken as 1: a token whose
-    gates all stay below tau gets no expert, so its output is zero). Dividing the gate value by
-    sigma(0) = 1/2 makes an untrained gate (Y = 0) neutral, so that with every expert on the layer is
-    the dense MLP (Eq. 7 alone would halve it)."""
+    gates all stay below tau gets no expert, so its output is zero). ``gate_scale = 1`` is Eq. 7-8
+    exactly; the default 1 / sigma(0) = 2 makes an untrained gate (Y = 0) neutral, so that with every
+    expert on the layer is the dense MLP (Eq. 7 alone would halve it)."""
     rescale = active.shape[-1] / active.sum(dim=-1, keepdim=True).clamp_min(1)  # n / |A|; Eq. 8
-    return values * (rescale / SIGMOID_AT_ZERO)
+    return values * (rescale * gate_scale)
 
 
 class ThresholdRouter(nn.Module):
     """DSMoE's router (Lv et al., 2025, Eq. 7-8): sigmoid gates g = sigma(x Y), Y in R^{d x n} (stored as
     ``proj.weight``, (n, d)); expert i runs for a token when g_i >= tau, so the number of experts per token
-    varies (none included), weighted by ``rescaled_gate_weights``. ``tau`` is a runtime option; the
+    varies (none included), weighted by ``rescaled_gate_weights`` with ``gate_scale`` (1: Eq. 7-8 exactly;
+    2: an untrained gate is neutral). ``tau`` is a runtime option; the
     expert count per token depends on the data, so there is no nominal count (``expected_experts`` is
     None) and the activated ratio is always measured."""
 
     kind = "threshold"
     expert_scale = 1.0
 
-    def __init__(self, hidden_size: int, num_experts: int, tau: float = 0.5, **_: Any) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, tau: float = 0.5,
+                 gate_scale: float = NEUTRAL_GATE_SCALE, **_: Any) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.tau = check_tau(tau)
+        self.gate_scale = gate_scale
         self.proj = nn.Linear(hidden_size, num_experts, bias=False)
         nn.init.zeros_(self.proj.weight)  # untrained gates: g = 1/2 for every token and expert
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_experts": self.num_experts, "tau": self.tau}
+        return {"kind": self.kind, "num_experts": self.num_experts, "tau": self.tau, "gate_scale": self.gate_scale}
 
     def expected_experts(self) -> None:
         """No nominal count: how many gates pass tau depends on the tokens."""
@@ -264,7 +270,7 @@ class ThresholdRouter(nn.Module):
     def forward(self, x: Tensor) -> Dispatch:
         gates = self.gates(x)
         active = passing_gates(gates, self.tau)  # the condition of G; Eq. 7
-        weights = rescaled_gate_weights(torch.where(active, gates, 0.0), active)  # Eq. 7-8
+        weights = rescaled_gate_weights(torch.where(active, gates, 0.0), active, self.gate_scale)  # Eq. 7-8
         return Dispatch.from_mask(active, weights.to(x.dtype))
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 from transformers import PreTrainedConfig
 
 from moeify.options import method_config, option, require_at_most, require_multiple
+from moeify.runtime.routers import NEUTRAL_GATE_SCALE
 
 
 @method_config
@@ -24,6 +25,9 @@ class DsmoeConfig:
     seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
     sparsity_weight: float = option(1.0, "weight of the sparsity loss (1 in Eq. 17-19)", low=0.0)
     gate_init_std: float = option(0.0, "std of a random gate init when training starts (0: Y = 0, all on)", low=0.0)
+    gate_weighting: Literal["auto", "paper", "neutral"] = option(
+        "auto", "expert weight g n/|A| as Eq. 7-8 (paper) or 2 g n/|A| so that an untrained gate weighs 1 "
+                "(neutral); auto: paper with a random gate init, neutral from Y = 0")
     checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)",
                                    low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
@@ -40,3 +44,11 @@ class DsmoeConfig:
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(256, model_config.max_position_embeddings)
+
+
+def gate_scale(cfg: DsmoeConfig) -> float:
+    """The layers' gate scale: 1 for Eq. 7-8 exactly, 1 / sigma(0) for neutral untrained gates."""
+    weighting = cfg.gate_weighting
+    if weighting == "auto":
+        weighting = "paper" if cfg.gate_init_std > 0 else "neutral"
+    return 1.0 if weighting == "paper" else NEUTRAL_GATE_SCALE

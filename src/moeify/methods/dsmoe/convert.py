@@ -9,7 +9,7 @@ import torch
 
 from moeify.calibration.data import TextSource
 from moeify.methods.base import ConversionContext
-from moeify.methods.dsmoe.config import DsmoeConfig
+from moeify.methods.dsmoe.config import DsmoeConfig, gate_scale
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.options import require_work_dir_for_resume
@@ -29,7 +29,7 @@ def partition_model_(ctx: ConversionContext, cfg: DsmoeConfig) -> list[list[int]
     for i in range(adapter.num_layers):
         mlp = adapter.mlp(i)
         partition = contiguous_partition(mlp.intermediate_size, cfg.num_experts)
-        router = ThresholdRouter(mlp.hidden_size, cfg.num_experts, tau=cfg.tau)
+        router = ThresholdRouter(mlp.hidden_size, cfg.num_experts, tau=cfg.tau, gate_scale=gate_scale(cfg))
         adapter.replace_mlp_(i, moe_from_partition(mlp, partition, router).to(mlp.up.device))
         sizes.append([e.numel() for e in partition.experts])
     return sizes

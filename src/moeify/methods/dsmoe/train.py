@@ -8,11 +8,11 @@ or not expert i contributed. The inactive experts' outputs are multiplied by a z
 weights receive no gradient (Eq. 13-15). After training the wrappers are removed: the layers are the
 same ``MoeMLP`` + ``ThresholdRouter`` objects, whose forward pass equals the wrapper's (tested).
 
-Training weights (n / |A| and 1 / sigma(0) as in ``rescaled_gate_weights``):
+Training weights (n / |A| and the layer's gate scale as in ``rescaled_gate_weights``):
 - ``full``: S(g) = sg(G(g)) + g - sg(g) (Eq. 10-11): forward G(g), gradient as if ungated.
 - ``no_ste``: G(g) (Eq. 7): an expert below tau gets no gradient, nor does its gate (Eq. 9, §6.1).
-- ``no_gate``: g / sigma(0) for every expert, no threshold and no rescale (Eq. 20, §6.2); the threshold
-  applies only at inference.
+- ``no_gate``: g times the gate scale for every expert, no threshold and no rescale (Eq. 20, §6.2); the
+  threshold applies only at inference.
 
 Sparsity loss (Eq. 18-19): the mean over layers, experts and tokens of G(g) (of g for ``no_gate``, which
 has no G), added with ``sparsity_weight`` (1 in Eq. 17/19) to the LM loss, itself a mean over tokens
@@ -29,6 +29,10 @@ Choices the paper leaves open:
   neurons at step 0, which a model as small as stories260K does not survive well (its first LM loss is
   several nats above the dense one). ``gate_init_std > 0`` gives the paper's random start,
   Y ~ N(0, gate_init_std^2), drawn from ``seed``.
+- The gate scale (``gate_weighting``). From Y = 0 the gates are 1/2, and Eq. 7-8 as written would halve
+  every layer, so the default start weighs gates by 1 / sigma(0) (the dense model). A random start is
+  the paper's, so it uses Eq. 7-8 exactly (scale 1: the layer starts at about 1.08x the dense output at
+  std 0.1, as the paper's function gives, not 2.16x); ``gate_weighting`` sets either explicitly.
 - AdamW with torch's defaults (betas 0.9/0.999, weight decay 0.01) at a constant learning rate; the
   gates have their own learning rate (``gate_lr``), because they must move much farther from zero than
   the pre-trained weights should move in a short run.
@@ -45,7 +49,7 @@ from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.runtime.moe import MoeMLP
-from moeify.runtime.routers import SIGMOID_AT_ZERO, passing_gates, rescaled_gate_weights
+from moeify.runtime.routers import passing_gates, rescaled_gate_weights
 from moeify.training.loop import Checkpointing, TrainPlan, train
 from moeify.training.losses import lm_loss
 
@@ -55,15 +59,15 @@ def straight_through(values: Tensor, gates: Tensor) -> Tensor:
     return values.detach() + gates - gates.detach()
 
 
-def training_weights(gates: Tensor, tau: float, variant: str) -> Tensor:
+def training_weights(gates: Tensor, tau: float, variant: str, gate_scale: float) -> Tensor:
     """Per-token expert weights (tokens, experts) of the variant (module docstring)."""
     if variant == "no_gate":
-        return gates / SIGMOID_AT_ZERO  # Eq. 20
+        return gates * gate_scale  # Eq. 20
     active = passing_gates(gates, tau)
     thresholded = torch.where(active, gates, 0.0)  # G(g); Eq. 7
     if variant == "full":
         thresholded = straight_through(thresholded, gates)  # S(g); Eq. 10-11
-    return rescaled_gate_weights(thresholded, active)  # Eq. 8
+    return rescaled_gate_weights(thresholded, active, gate_scale)  # Eq. 8
 
 
 def sparsity_term(gates: Tensor, tau: float, variant: str) -> Tensor:
@@ -86,7 +90,7 @@ class DsmoeTrainingMLP(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
         router = self.moe.router
         gates = router.gates(x)  # g = sigma(x Y): (tokens, experts); Eq. 7
-        weights = training_weights(gates, router.tau, self.variant).to(x.dtype)
+        weights = training_weights(gates, router.tau, self.variant, router.gate_scale).to(x.dtype)
         self.sparsity = sparsity_term(gates, router.tau, self.variant)
         experts = self.moe.experts
         hidden = all_hidden(experts, x)  # (tokens, d_h): every expert's neurons, in expert order
