@@ -188,3 +188,14 @@ def test_options_fail_with_field_value_and_range():
     with pytest.raises(OptionError, match=r"prune_layers=5 must be <= the layers after the first one \(4\)"):
         build_config(Dense2moeConfig, {"prune_layers": 5, "top_k": 1}).check(config)
     build_config(Dense2moeConfig, {"variant": "prune_only", "top_k": 9}).check(config)  # no MoE: no bound
+
+
+def test_paper_weighting_is_p_and_a_runtime_top_k_change_does_not_rescale():
+    from moeify.runtime.routers import SoftmaxTopKRouter
+
+    upcycle, paper = SoftmaxTopKRouter(8, 4, top_k=2), SoftmaxTopKRouter(8, 4, top_k=2, scale=1.0)
+    assert (upcycle.expert_scale, paper.expert_scale) == (2.0, 1.0)
+    upcycle.set_option("top_k", 1)
+    assert upcycle.expert_scale == 2.0 and upcycle.spec()["scale"] == 2.0  # fixed at build, saved
+    rebuilt = SoftmaxTopKRouter(8, **{k: v for k, v in upcycle.spec().items() if k != "kind"})
+    assert rebuilt.expert_scale == 2.0 and rebuilt.top_k == 1

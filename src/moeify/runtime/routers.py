@@ -287,32 +287,32 @@ def check_tau(value: Any) -> float:
 
 class SoftmaxTopKRouter(nn.Module):
     """Dense2MoE's router (§2.1): p = softmax(x W_g), W_g in R^{d x E} (``proj.weight``, (E, d)); the
-    ``top_k`` most probable experts run, each weighted by p_i * E / k (the layer applies ``expert_scale``
-    E / k to the experts' outputs, the dispatch carries p_i). The paper's gate is p_i; the
-    constant E / k makes the weights of an untrained router (W_g ~ 0, p uniform) sum to 1, so the layer
-    starts at the scale of one dense MLP (identical copies then reproduce it exactly, as in sparse
-    upcycling) instead of at 1/E of it under top-1. A constant factor can be read as part of the
-    experts' down projections, so the model class is the paper's. p stays differentiable, so the
-    router learns even at top-1."""
+    ``top_k`` most probable experts run, each weighted by p_i times the layer's ``expert_scale``. The
+    paper's gate is p_i (``scale=1``). The default scale E / k (of the top_k the layer was built with)
+    makes the weights of an untrained router (W_g ~ 0, p uniform) sum to 1, so the layer starts at the
+    scale of one dense MLP (identical copies then reproduce it exactly, as in sparse upcycling) instead
+    of at 1/E of it under top-1; a constant factor can be read as part of the experts' down
+    projections, so the model class is the paper's. The scale is fixed when the router is built: changing
+    ``top_k`` at run time does not rescale the experts. p stays differentiable, so the router learns even
+    at top-1."""
 
     kind = "softmax_topk"
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, **_: Any) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int = 1, scale: float | None = None,
+                 **_: Any) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.expert_scale = num_experts / top_k if scale is None else float(scale)
         self.proj = nn.Linear(hidden_size, num_experts, bias=False)
 
-    @property
-    def expert_scale(self) -> float:
-        """E / k, applied by the layer to the experts' outputs (the dispatch weights are p_i alone)."""
-        return self.num_experts / self.top_k
+    def spec(self) -> dict[str, Any]:
+        return top_k_spec(self, scale=self.expert_scale)
 
-    spec = top_k_spec
     expected_experts = top_k_experts
     set_option = set_top_k
 
     def linear_form(self) -> LinearForm:
-        """Softmax probabilities of a linear score; the constant E / k is the layer's ``expert_scale``."""
+        """Softmax probabilities of a linear score; the constant scale is the layer's ``expert_scale``."""
         return LinearForm(self.proj.weight.detach().double(), self.top_k, "softmax")
 
     def forward(self, x: Tensor) -> Dispatch:

@@ -91,16 +91,18 @@ def expert_sources(span: Span, variant: str, num_copies: int, copies_per_pruned:
     return [span.layer] * num_copies + fused
 
 
-def fuse_layers_(model: nn.Module, span: Span, sources: list[int], top_k: int, seed: int) -> list[dict[str, int]]:
+def fuse_layers_(model: nn.Module, span: Span, sources: list[int], top_k: int, seed: int,
+                 paper_weighting: bool = False) -> list[dict[str, int]]:
     """Put the MoE of ``sources`` (if any) in layer l*'s MLP slot, then remove layers l*+1 .. l*+n*
-    entirely; returns the removed layers' records (``moe.depth``)."""
+    entirely; returns the removed layers' records (``moe.depth``). ``paper_weighting``: experts weighted
+    by p_i (§2.1) instead of p_i E / k."""
     adapter = DecoderAdapter(model)
     if sources:
         kept, kept_norm = adapter.mlp(span.layer), adapter.mlp_norm_affine(span.layer)
         experts = [expert_mlp(kept if s == span.layer else fold_mlp_norm(adapter.mlp(s), kept_norm,
                                                                            adapter.mlp_norm_affine(s)))
                    for s in sources]
-        router = SoftmaxTopKRouter(kept.hidden_size, len(experts), top_k)
+        router = SoftmaxTopKRouter(kept.hidden_size, len(experts), top_k, scale=1.0 if paper_weighting else None)
         std = getattr(model.config, "initializer_range", 0.02)  # as the model initialises its own linears
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -21,7 +21,7 @@ def convert(ctx: ConversionContext, cfg: Dense2moeConfig) -> dict[str, Any]:
     ctx.artifacts.update(similarity_heatmaps(similarity))
     span = select_span(similarity.layer_output, similarity.mlp_input, cfg.delta, cfg.prune_layers)
     sources = expert_sources(span, cfg.variant, cfg.num_copies, cfg.copies_per_pruned)
-    removed = fuse_layers_(ctx.model, span, sources, cfg.top_k, ctx.seed)
+    removed = fuse_layers_(ctx.model, span, sources, cfg.top_k, ctx.seed, cfg.router_weighting == "paper")
     details: dict[str, Any] = {
         "calibration": {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": similarity.tokens},
         "similarity": similarity.as_dict(), "selection": span.as_dict(),
