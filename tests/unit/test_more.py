@@ -90,6 +90,8 @@ def test_layer_strategies_and_budget():
     assert abs(budget.pruning_rate - 0.2) <= 0.01 and budget.layers == [1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"target_pr=0.6 cannot be reached .* allowed \(0, 0.4"):
         solve_budget([1, 2, 3, 4], shapes, 4, 226560, 0.6, None)
+    small = solve_budget([1, 2, 3, 4], shapes, 4, 226560, 0.05, None)  # every candidate layer, a wider backbone
+    assert small.layers == [1, 2, 3, 4] and abs(small.pruning_rate - 0.05) <= 0.01
 
 
 @pytest.mark.parametrize("options,message", [

@@ -3,9 +3,10 @@
 PR = 1 - APR with APR = (P_attn + E[P_act,mlp]) / P_total (Eq. 16-17), E[...] under uniform top-1
 routing. A MoRE layer of width m with a backbone of k channels and r petals activates on average
 k + (m - k) / r channels, so it saves (m - k)(1 - 1/r) channels' parameters. Given the candidate layers
-of a strategy, one backbone ratio rho for all of them is solved so that PR hits the target; if the
-target needs rho outside (0, 1) on those layers, fewer layers are used (the deepest are dropped first)
-until it fits, else the target is reported unreachable with the reachable range.
+of a strategy, one backbone ratio rho for all of them is solved so that PR hits the target; a target
+that needs rho outside (0, 1) on those layers is reported unreachable with the reachable range (fewer
+layers save less, so dropping layers could never reach it; converting more layers, e.g.
+``layers=uniform``, or more petals can).
 """
 
 from __future__ import annotations
@@ -65,16 +66,13 @@ def solve_budget(candidates: list[int], shapes: dict[int, LayerShape], r: int, t
     if target_pr is None:
         backbone = sizes(candidates, share_ratio)
         return Budget(candidates, backbone, pruning_rate(shapes, backbone, r, total_params))
-    for count in range(len(candidates), 0, -1):
-        layers = candidates[:count]
-        mlp = sum(shapes[i].params_per_channel * shapes[i].width for i in layers)
-        rho = 1 - target_pr * total_params / ((1 - 1 / r) * mlp)  # PR(rho) = target, solved for rho
-        if not 0 < rho < 1:
-            continue
-        backbone = sizes(layers, rho)
+    mlp = sum(shapes[i].params_per_channel * shapes[i].width for i in candidates)
+    rho = 1 - target_pr * total_params / ((1 - 1 / r) * mlp)  # PR(rho) = target, solved for rho
+    if 0 < rho < 1:
+        backbone = sizes(candidates, rho)
         achieved = pruning_rate(shapes, backbone, r, total_params)
         if abs(achieved - target_pr) <= tolerance:
-            return Budget(layers, backbone, achieved)
+            return Budget(candidates, backbone, achieved)
     most = pruning_rate(shapes, sizes(candidates, 0.0), r, total_params)
     raise ValueError(f"target_pr={target_pr} cannot be reached with layers {candidates} and num_experts={r}: "
                      f"allowed (0, {most:.3f}] (within ±{tolerance}); convert more layers or use more experts")
