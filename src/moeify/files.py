@@ -1,26 +1,106 @@
 """Output folders and the names every layer shares: atomic writes (nothing half-written is ever left where
-the user asked for the output) and ``MOEIFY_KEY``, the config block that marks a model as moeify's."""
+the user asked for the output), a marker in every folder moeify writes (``--overwrite`` replaces only
+those: never a folder moeify did not write), a lock per output (two runs never write the same folder),
+permissions that follow the umask, and ``MOEIFY_KEY``, the config block that marks a model as moeify's."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 MOEIFY_KEY = "moeify"  # the block in a converted model's config.json that describes its MoE layers
+MARKER = ".moeify"  # in every folder moeify writes: what --overwrite may replace
+_WRITTEN_BY_MOEIFY = (MARKER, "record.json")  # record.json: folders of earlier versions
 
 
 class OutputExistsError(FileExistsError):
     pass
 
 
+class OutputLockedError(FileExistsError):
+    pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Fail before any heavy work when ``out`` would be clobbered without permission."""
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite "
-                                "(overwrite=True) to replace it, or choose another --out")
+    """Fail before any heavy work when ``out`` would be clobbered without permission, is a folder moeify
+    did not write, or cannot be written (a temporary sibling is created and removed)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite "
+                                    "(overwrite=True) to replace it, or choose another --out")
+        if not out.is_dir() or not any((out / name).is_file() for name in _WRITTEN_BY_MOEIFY):
+            raise OutputExistsError(f"{str(out)!r} was not written by moeify (no {MARKER} or record.json in it); "
+                                    "--overwrite replaces only moeify's own outputs: choose another --out")
+    parent = _nearest_existing(Path(out).parent)
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{out.name}.check-", dir=parent)).rmdir()
+    except OSError as error:
+        raise OutputExistsError(f"cannot write the output {str(out)!r}: {parent} is not writable "
+                                f"({error.strerror})") from None
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold ``<out>.lock`` for the block, so that a second run into the same output is refused with the
+    first one's process id and command; a lock whose process is gone is taken over."""
+    lock = Path(out).with_name(Path(out).name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            holder = lock.read_text().split("\n", 1)
+            if holder[0].isdigit() and _alive(int(holder[0])):
+                raise OutputLockedError(f"{str(out)!r} is being written by process {holder[0]} "
+                                        f"({holder[1].strip() if len(holder) > 1 else 'unknown command'}); "
+                                        f"wait for it, or remove {lock} if that process is gone") from None
+            lock.unlink(missing_ok=True)  # its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n{' '.join(sys.argv)}\n")
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _follow_umask(folder: Path) -> None:
+    """Folders 0777 and files 0666 less the umask, as any tool's output (mkdtemp makes 0700)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 @contextmanager
@@ -32,6 +112,8 @@ def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        (tmp / MARKER).write_text("written by moeify; --overwrite may replace this folder\n")
+        _follow_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

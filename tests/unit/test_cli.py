@@ -108,3 +108,15 @@ def test_same_calibration_and_evaluation_file_warns(tmp_path, capsys):
                  "--no-speed"]) == 0
     assert "warning: the calibration and evaluation texts are identical" in capsys.readouterr().err
     assert json.loads((out / "record.json").read_text())["warnings"]
+
+
+def test_a_second_convert_into_the_same_out_is_refused_before_any_work(tmp_path, capsys):
+    import os
+
+    from moeify.files import output_lock
+
+    out = tmp_path / "run"
+    with output_lock(out):  # as a first convert holds it
+        assert main(["convert", "--method", "cmoe", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"is being written by process {os.getpid()}" in err and not out.exists()

@@ -2,6 +2,8 @@
 transformers' trust_remote_code path) for every family."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import moeify
 from moeify.api import ConversionResult
-from moeify.files import OutputExistsError, atomic_dir
+from moeify.files import OutputExistsError, OutputLockedError, atomic_dir, check_output_dir, output_lock
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import moe_layers
@@ -84,5 +86,56 @@ def test_atomic_dir_leaves_nothing_on_failure_and_refuses_to_clobber(tmp_path):
             pass
     with atomic_dir(out, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert [p.name for p in out.iterdir()] == ["new.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [".moeify", "new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_overwrite_replaces_only_what_moeify_wrote(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("my sources")
+    with pytest.raises(OutputExistsError, match="was not written by moeify .* choose another --out"):
+        with atomic_dir(project, overwrite=True):
+            pass
+    assert (project / "train.py").read_text() == "my sources"  # nothing lost
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    with pytest.raises(OutputExistsError, match=r"is not writable \(Not a directory\)"):
+        check_output_dir(tmp_path / "notes.txt" / "out", overwrite=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(OutputExistsError, match="is not writable"):
+            check_output_dir(locked / "sub" / "out", overwrite=False)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_outputs_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "out" / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_a_second_writer_of_the_same_output_is_refused_with_the_first_ones_pid(tmp_path):
+    out = tmp_path / "run"
+    with output_lock(out):
+        with pytest.raises(OutputLockedError, match=rf"is being written by process {os.getpid()} "):
+            with output_lock(out):
+                pass
+    (tmp_path / "run.lock").write_text("999999999\nmoeify convert (killed)\n")  # a dead holder
+    with output_lock(out):
+        assert (tmp_path / "run.lock").read_text().startswith(str(os.getpid()))
+    assert not (tmp_path / "run.lock").exists()

@@ -36,19 +36,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import moeify
-    from moeify.files import check_output_dir
+    from moeify.files import check_output_dir, output_lock
     from moeify.options import parse_assignments
 
     options = parse_assignments(args.set)
     check_output_dir(args.out, args.overwrite)
     work_dir = args.out.with_name(args.out.name + ".work")
-    result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval, seed=args.seed,
-                            device=args.device, eval_seq_len=args.seq_len, measure_speed=not args.no_speed,
-                            progress=True, work_dir=work_dir)
-    for warning in result.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    out = moeify.save(result, args.out, overwrite=args.overwrite)
-    shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are for resuming; the model is saved now
+    with output_lock(args.out):  # a second convert into the same --out is refused, naming this one
+        result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
+                                seed=args.seed, device=args.device, eval_seq_len=args.seq_len,
+                                measure_speed=not args.no_speed, progress=True, work_dir=work_dir)
+        for warning in result.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        out = moeify.save(result, args.out, overwrite=args.overwrite)
+        shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are for resuming; the model is saved now
     rec = result.record
     rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}"),
             (f"{rec['method']} perplexity", f"{rec['metrics']['ppl']:.3f}"),
