@@ -71,3 +71,27 @@ def test_bench_measures_both_models(two_runs, tmp_path):
     assert [p["batch_size"] for p in result["prefill"]] == [1, 2]
     assert all(p["dense"] > 0 and p["moe"] > 0 for p in result["prefill"]) and result["decode"]["moe"] > 0
     assert result["ideal_speedup"] > 1  # 25 % of the MLP active
+
+
+def test_compare_refuses_an_existing_out_resumes_complete_runs_and_replaces_only_its_own(tmp_path):
+    from moeify.api.compare import run_comparison
+    from moeify.files import OutputExistsError
+
+    out = tmp_path / "cmp"
+    first = run_comparison(None, ["static_prune"], 0.5, out)
+    record = out / "static_prune" / "record.json"
+    written = record.stat().st_mtime_ns
+    with pytest.raises(OutputExistsError, match="exists and is not empty"):
+        run_comparison(None, ["static_prune"], 0.5, out)
+    again = run_comparison(None, ["static_prune"], 0.5, out, resume=True)
+    assert again[0]["resumed"] and again[0]["folder"] == first[0]["folder"]
+    assert record.stat().st_mtime_ns == written  # not converted again
+    (out / "cmoe").mkdir()  # a stale run of an earlier comparison
+    run_comparison(None, ["static_prune"], 0.5, out, overwrite=True)
+    assert not (out / "cmoe").exists() and record.is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(OutputExistsError, match="was not written by moeify"):
+        run_comparison(None, ["static_prune"], 0.5, mine, overwrite=True)
+    assert (mine / "notes.txt").read_text() == "keep"

@@ -3,15 +3,19 @@ parameter ratio (APR over attention + MLP projections, MoRE Eq. 16), then one re
 
 Each method says how it is matched (``Method.match_budget``: the option sets to try in order), or why
 it cannot be (``Method.unmatched``; it then runs with its defaults and the report shows the APR it
-reached).
+reached). An existing ``--out`` is refused unless ``--resume`` (complete runs are kept, the others run)
+or ``--overwrite`` (moeify's own earlier comparison is replaced whole).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from moeify.api.convert import convert, save
+from moeify.files import MARKER, OutputExistsError, check_output_dir
 from moeify.arch import DecoderAdapter
 from moeify.methods import Method, get_method
 
@@ -23,19 +27,47 @@ def matched_options(method: Method, active: float, adapter: DecoderAdapter) -> t
     return method.match_budget(active, adapter)
 
 
+def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> None:
+    """Before any work: an existing ``out`` is continued (``resume``), replaced when moeify wrote it
+    (``overwrite``), or refused; then the folder is marked as moeify's."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite are alternatives: continue the runs in --out, or replace them")
+    if resume and out.is_dir() and not (out / MARKER).is_file():
+        raise OutputExistsError(f"{str(out)!r} was not written by moeify compare; nothing to resume")
+    if not resume:
+        check_output_dir(out, overwrite)  # refuses a folder moeify did not write
+        if out.is_dir() and overwrite:
+            shutil.rmtree(out)  # moeify's own earlier comparison: no stale method folders stay
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by moeify compare; --overwrite may replace this folder\n")
+
+
+def _completed(folder: Path) -> bool:
+    return (folder / "record.json").is_file()
+
+
 def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *, calib: str | None = None,
-                   eval: str | None = None, seed: int = 0, progress: bool = False) -> list[dict[str, Any]]:
+                   eval: str | None = None, seed: int = 0, progress: bool = False, overwrite: bool = False,
+                   resume: bool = False) -> list[dict[str, Any]]:
     """Convert with every method into ``out/<method>`` and write ``out/report``; returns one summary per
-    method (its folder, the options used, how they were matched, or the error that stopped it)."""
+    method (its folder, the options used, how they were matched, or the error that stopped it). With
+    ``resume``, methods whose run in ``out`` is complete are not run again."""
     import moeify
     from moeify.report.build import write_report
 
+    prepare_output(out, overwrite=overwrite, resume=resume)
     dense, _ = moeify.load_model(model)
     adapter = DecoderAdapter(dense)
     summaries = []
     for method in methods:
         attempts, how = matched_options(get_method(method), active, adapter)
         summary: dict[str, Any] = {"method": method, "matched": how}
+        if resume and _completed(out / method):
+            record = json.loads((out / method / "record.json").read_text())
+            summary.update(options={k: v for k, v in record["config"].items() if k not in ("seed", "device")},
+                           folder=str(out / method), resumed=True)
+            summaries.append(summary)
+            continue
         for options in attempts:
             try:
                 result = convert(model, method, options, calib=calib, eval=eval, seed=seed, progress=progress)

@@ -23,11 +23,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--calib", default=None, help="calibration/training text (default: embedded)")
     parser.add_argument("--eval", default=None, help="evaluation text (default: embedded, disjoint)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs are "
+                                                              "kept, the others run")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from moeify.api import run_comparison
+    from moeify.files import output_lock
     from moeify.methods import get_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -35,9 +39,10 @@ def run(args: argparse.Namespace) -> int:
         get_method(name)  # unknown names fail before any work
     if not 0 < args.active <= 1:
         raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
-    summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
-                               seed=args.seed, progress=True)
-    (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    with output_lock(args.out):
+        summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
+                                   seed=args.seed, progress=True, overwrite=args.overwrite, resume=args.resume)
+        (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     for s in summaries:
         print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")
     print(f"wrote {args.out}/report/report.md")
