@@ -58,7 +58,18 @@ def model_source(model: str | Path | None) -> ModelSource:
             raise ValueError(f"{str(path)!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); name the one to load")
         if ggufs:
             return ModelSource(str(path), ggufs[0])
+        raise ValueError(f"{str(path)!r} is not a model folder: it has no config.json (nor a .gguf file)")
+    if not path.exists() and _looks_local(str(model)):
+        raise FileNotFoundError(f"{str(model)!r}: no such model folder or file")
     return ModelSource(str(model))
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub name ("org/name"): absolute, relative with ./ or ../, ~, or deeper."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 def check_device(device: str) -> None:
@@ -69,7 +80,7 @@ def check_device(device: str) -> None:
 def load_config(model: str | Path | None) -> PreTrainedConfig:
     """The model's config without its weights (for validation before any heavy work)."""
     source = model_source(model)
-    with _gguf_errors(source):
+    with _gguf_errors(source), _read_errors(source.path, "config.json"):
         return AutoConfig.from_pretrained(source.path, **source.kwargs)
 
 
@@ -85,12 +96,30 @@ def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[Pr
     source = model_source(model)
     if source.gguf_file is not None:
         return _load_gguf(source, device)
-    # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
-    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
-    if Path(source.path).is_dir() and is_native_folder(Path(source.path)):
-        return load_native(Path(source.path), device), tokenizer
-    dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    folder = Path(source.path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    with _read_errors(source.path, "tokenizer"):
+        # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+    with _read_errors(source.path, "weights"):
+        if folder.is_dir() and is_native_folder(folder):
+            return load_native(folder, device), tokenizer
+        dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
     return dense.to(device).eval(), tokenizer
+
+
+@contextmanager
+def _read_errors(path: str, what: str) -> Iterator[None]:
+    """Whatever transformers or safetensors raise on a damaged file (OSError, JSON and header errors), as one
+    ``ValueError`` naming the model and what could not be read."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the readers raise many types; all mean "cannot read"
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: cannot read the {what} ({type(error).__name__}: {detail})") from error
 
 
 def _load_gguf(source: ModelSource, device: str) -> tuple[PreTrainedModel, Any]:
