@@ -2,6 +2,10 @@
 
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +124,24 @@ def test_a_second_convert_into_the_same_out_is_refused_before_any_work(tmp_path,
         assert main(["convert", "--method", "cmoe", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"is being written by process {os.getpid()}" in err and not out.exists()
+
+
+@pytest.mark.slow  # a real convert in a fresh process, interrupted by a real signal
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_training_names_its_last_checkpoint_and_the_resume_command(signum, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "moeify.cli.main", "convert", "--method", "dsmoe", "--out", str(out),
+               "--no-speed", "--set", "steps=500", "--set", "checkpoint_every=1", "--set", "seq_len=32",
+               "--set", "batch_size=2", "--set", "analyses=false"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    work = tmp_path / "run.work"
+    deadline = time.monotonic() + 120
+    while not list(work.glob("*/step-*")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("moeify convert: interrupted; the last checkpoint is ") and "Traceback" not in err
+    assert last.endswith("--set resume=true") and f"--out {out}" in last
+    assert not out.exists() and not (tmp_path / "run.lock").exists()

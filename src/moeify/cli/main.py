@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import signal
 import sys
+from pathlib import Path
 
 from moeify.cli import analyze_cmd, bench_cmd, compare_cmd, convert_cmd, eval_cmd, export_cmd, methods_cmd, report_cmd
 from moeify.version import __version__
@@ -25,14 +28,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the run as Ctrl-C does: cleanly, with the resume hint
+
+
+def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
+    """Where the last training checkpoint is and the command that continues from it."""
+    out = getattr(args, "out", None)
+    steps = [] if out is None else sorted(Path(out).with_name(Path(out).name + ".work").glob("*/step-*"),
+                                          key=lambda p: int(p.name.split("-")[-1]))
+    if not steps:
+        return "; no training checkpoint was written, nothing to resume"
+    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, "--set", "resume=true"])
+    return f"; the last checkpoint is {steps[-1]} (step {steps[-1].name.split('-')[-1]}); continue with: {command}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.run(args)
+    except KeyboardInterrupt:
+        print(f"moeify {args.command}: interrupted{_resume_hint(args, argv)}", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"moeify {args.command}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
