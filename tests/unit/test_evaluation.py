@@ -125,3 +125,22 @@ def test_streaming_reproduces_the_models_hidden_states(stories, tokenizer, calib
     for step in stream_layers(model, adapter, batches, device="cpu", batch_size=1):
         got = torch.cat(step.inputs.hidden)
         torch.testing.assert_close(got, hidden[step.index], atol=1e-5, rtol=1e-5)
+
+
+def test_data_files_are_read_by_format_and_bad_ones_named_with_their_line(tmp_path):
+    from moeify.calibration.data import DataError, read_text
+
+    (tmp_path / "table.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(DataError, match=r"\.csv is not a format moeify reads; allowed: \.txt"):
+        read_text(tmp_path / "table.csv")
+    (tmp_path / "data.parquet").write_bytes(b"PAR1\x00\xff")
+    with pytest.raises(DataError, match=r"\.parquet is not a format"):
+        read_text(tmp_path / "data.parquet")
+    (tmp_path / "docs.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n{"text": broken}\n')
+    with pytest.raises(DataError, match=r"docs.jsonl: line 4 is not valid JSON"):
+        read_text(tmp_path / "docs.jsonl")
+    (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="is not UTF-8 text"):
+        read_text(tmp_path / "latin.txt")
+    (tmp_path / "ok.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert read_text(tmp_path / "ok.jsonl").text == "one\n\ntwo"

@@ -37,6 +37,9 @@ class TextSource:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".raw", ".tokens")  # plain text (WikiText's .raw/.tokens included)
+
+
 def read_text(path: str | Path) -> TextSource:
     """Read ``.txt`` as-is; ``.jsonl`` (one object per line) and ``.json`` (a list) by their ``text``
     field, documents joined by a blank line. ``embedded:...`` names the samples shipped in the package."""
@@ -47,11 +50,21 @@ def read_text(path: str | Path) -> TextSource:
     file = Path(spec)
     if not file.is_file():
         raise DataError(f"data file {spec!r} does not exist (expected a .txt, .jsonl or .json file)")
-    raw = file.read_text(encoding="utf-8")
-    if file.suffix == ".jsonl":
-        text = "\n\n".join(_doc_text(json.loads(line), file) for line in raw.splitlines() if line.strip())
-    elif file.suffix == ".json":
-        docs = json.loads(raw)
+    if file.suffix.lower() not in TEXT_SUFFIXES + (".jsonl", ".json"):
+        raise DataError(f"data file {spec!r}: {file.suffix or 'no suffix'} is not a format moeify reads; allowed: "
+                        f"{', '.join(TEXT_SUFFIXES)} (text as-is), .jsonl, .json (documents with a 'text' field)")
+    try:
+        raw = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"data file {spec!r} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+    if file.suffix.lower() == ".jsonl":
+        text = "\n\n".join(_doc_text(_json_line(line, file, number), file)
+                           for number, line in enumerate(raw.splitlines(), start=1) if line.strip())
+    elif file.suffix.lower() == ".json":
+        try:
+            docs = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{spec}: not valid JSON (line {error.lineno}: {error.msg})") from None
         if not isinstance(docs, list):
             raise DataError(f"{spec}: a .json data file must hold a list of strings or of objects with 'text'")
         text = "\n\n".join(_doc_text(doc, file) for doc in docs)
@@ -60,6 +73,13 @@ def read_text(path: str | Path) -> TextSource:
     if not text.strip():
         raise DataError(f"data file {spec!r} holds no text")
     return TextSource(file.name, text)
+
+
+def _json_line(line: str, file: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{file}: line {number} is not valid JSON ({error.msg})") from None
 
 
 def _doc_text(doc: Any, file: Path) -> str:
