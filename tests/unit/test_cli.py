@@ -145,3 +145,21 @@ def test_an_interrupted_training_names_its_last_checkpoint_and_the_resume_comman
     assert last.startswith("moeify convert: interrupted; the last checkpoint is ") and "Traceback" not in err
     assert last.endswith("--set resume=true") and f"--out {out}" in last
     assert not out.exists() and not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch-sizes", "0"], r"--batch-sizes='0' is out of range; allowed: integers >= 1"),
+    (["--batch-sizes", "one"], r"must be comma-separated integers"),
+    (["--repeats", "0"], r"--repeats=0 is out of range"),
+])
+def test_bench_refuses_bad_shapes_before_loading(flags, message, tmp_path, capsys):
+    import re
+
+    assert main(["bench", str(tmp_path), *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_eval_warns_when_the_perplexity_rests_on_few_tokens(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("Once upon a time there was a cat.")
+    assert main(["eval", "--data", str(tmp_path / "short.txt"), "--seq-len", "64"]) == 0
+    assert "warning: the perplexity of short.txt rests on" in capsys.readouterr().err

@@ -27,11 +27,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """``"1,8"`` -> [1, 8]; every size a positive integer."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes={text!r} must be comma-separated integers, e.g. 1,8") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes={text!r} is out of range; allowed: integers >= 1")
+    return sizes
+
+
 def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.evaluation.bench import benchmark_pair
     from moeify.evaluation.record import RECORD_NAME
 
+    sizes = _batch_sizes(args.batch_sizes)
+    for name in ("seq_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range; allowed: >= 1")
     against = args.against
     record = Path(args.model) / RECORD_NAME
     if against is None:
@@ -40,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
         against = json.loads(record.read_text())["model"]
     moe, _ = moeify.load_model(args.model, args.device)
     dense, _ = moeify.load_model(against, args.device)
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
     result = benchmark_pair(dense, moe, sizes, args.seq_len, args.new_tokens, args.repeats)
     rows = [(f"prefill b={p['batch_size']} tokens/s", f"{p['dense']:,.0f} -> {p['moe']:,.0f} ({p['speedup']:.2f}x)")
             for p in result["prefill"]]

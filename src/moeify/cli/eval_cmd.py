@@ -52,6 +52,9 @@ def _task_rows(tasks: dict[str, dict[str, float]]) -> list[tuple[str, str]]:
     return rows
 
 
+MIN_SCORED_TOKENS = 1000  # below this a perplexity is mostly noise: warn
+
+
 def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.options import parse_assignments
@@ -68,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
                               protocol=args.protocol, stride=args.stride,
                               tasks=args.tasks, task_data=args.task_data, limit=args.limit,
                               batch_size=args.batch_size)
+    for name, result in results["eval"].items():
+        if result["tokens"] < MIN_SCORED_TOKENS:
+            print(f"warning: the perplexity of {name} rests on {result['tokens']} scored token(s); below "
+                  f"{MIN_SCORED_TOKENS} it says little (pass more text)", file=sys.stderr)
     rows = [(f"perplexity {name}", f"{ppl:.3f}") for name, ppl in results["ppl"].items()]
     rows += _task_rows(results.get("tasks", {}))
     rows += [("activated MLP ratio", f"{results['active']['mlp_ratio']:.3f}"),
