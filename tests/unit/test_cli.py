@@ -161,5 +161,5 @@ def test_bench_refuses_bad_shapes_before_loading(flags, message, tmp_path, capsy
 
 def test_eval_warns_when_the_perplexity_rests_on_few_tokens(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("Once upon a time there was a cat.")
-    assert main(["eval", "--data", str(tmp_path / "short.txt"), "--seq-len", "64"]) == 0
+    assert main(["eval", "embedded:stories260K", "--data", str(tmp_path / "short.txt"), "--seq-len", "64"]) == 0
     assert "warning: the perplexity of short.txt rests on" in capsys.readouterr().err
