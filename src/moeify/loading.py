@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
-from moeify.export.native import is_native_folder, load_native
+from moeify.export.native import is_native_folder, load_native, native_config
 
 EMBEDDED_MODEL = "embedded:stories260K"
 GGUF_SUFFIX = ".gguf"
@@ -99,11 +99,14 @@ def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[Pr
     folder = Path(source.path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    native = folder.is_dir() and is_native_folder(folder)
     with _read_errors(source.path, "tokenizer"):
-        # Converted folders carry an auto_map for the model only; their tokenizer is the base model's.
-        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+        # A converted folder's tokenizer is the base model's: given the base config, AutoTokenizer needs no
+        # remote code (and warns about no unknown model type).
+        config = native_config(folder) if native else None
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, config=config)
     with _read_errors(source.path, "weights"):
-        if folder.is_dir() and is_native_folder(folder):
+        if native:
             return load_native(folder, device), tokenizer
         dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
     return dense.to(device).eval(), tokenizer

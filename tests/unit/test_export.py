@@ -139,3 +139,15 @@ def test_a_second_writer_of_the_same_output_is_refused_with_the_first_ones_pid(t
     with output_lock(out):
         assert (tmp_path / "run.lock").read_text().startswith(str(os.getpid()))
     assert not (tmp_path / "run.lock").exists()
+
+
+def test_loading_a_converted_folder_needs_no_remote_code_for_its_tokenizer(make_ctx, tokenizer, tmp_path, capfd):
+    model = tiny_model("llama", **STORIES_VOCAB)
+    ctx = make_ctx(model)
+    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
+    out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "out")
+    capfd.readouterr()
+    loaded, loaded_tokenizer = moeify.load_model(out)
+    err = capfd.readouterr().err
+    assert "not supported" not in err and "custom code" not in err, err
+    assert loaded_tokenizer("Once upon a time").input_ids == tokenizer("Once upon a time").input_ids

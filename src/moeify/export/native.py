@@ -71,10 +71,10 @@ def is_native_folder(path: Path) -> bool:
     return config.is_file() and MOEIFY_KEY in json.loads(config.read_text())
 
 
-def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Load a native folder with moeify's own runtime classes (so moeify can inspect and re-route it)."""
-    path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+def native_config(path: Path) -> Any:
+    """The base model's config class holding a native folder's config (its ``moeify`` block included),
+    read without remote code."""
+    raw = json.loads((Path(path) / "config.json").read_text())
     block = raw[MOEIFY_KEY]
     if block.get("format_version") != runtime_moe.FORMAT_VERSION:
         raise ValueError(f"{path}: moeify format_version={block.get('format_version')} is not supported "
@@ -82,7 +82,14 @@ def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedMod
     config_cls = CONFIG_MAPPING[block["base_model_type"]]
     for key in ("model_type", "auto_map", "architectures"):
         raw.pop(key, None)
-    config = config_cls.from_dict(raw)
+    return config_cls.from_dict(raw)
+
+
+def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """Load a native folder with moeify's own runtime classes (so moeify can inspect and re-route it)."""
+    path = Path(path)
+    config = native_config(path)
+    config_cls = type(config)
     model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls], None,
                                                 runtime_attention.install_pruned_attention,
                                                 runtime_sparse.install_sparse_inputs)
