@@ -64,6 +64,8 @@ def test_convert_writes_model_and_record(converted):
     assert record["active"]["mlp_ratio"] == pytest.approx(0.25, abs=0.01)
     assert 0 < record["active"]["apr"] < 1 and record["active"]["active_params"] < record["active"]["total_params"]
     assert record["timings"]["convert_s"] > 0 and record["speed"]["dense_tokens_per_s"] > 0
+    assert record["speed"]["repeats"] == 5 and all(v >= 0 for v in record["speed"]["spread"].values())
+    assert record["paper_ratio"]["kind"] == "ffn" and record["paper_ratio"]["value"] == record["active"]["mlp_ratio"]
     assert {"torch", "transformers", "moeify"} <= set(record["versions"])
     assert (converted / "model.safetensors").is_file() and (converted / "modeling_moeify.py").is_file()
 

@@ -15,7 +15,7 @@ from moeify.arch import family_for
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
 from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
-from moeify.evaluation.speed import forward_tokens_per_s
+from moeify.evaluation.speed import forward_speed
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
 from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model
@@ -52,10 +52,10 @@ def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:
 
 
 def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: TextSource, seq_len: int,
-                       measure_speed: bool, progress: bool) -> tuple[dict[str, Any], float | None]:
+                       measure_speed: bool, progress: bool) -> tuple[dict[str, Any], tuple[float, float] | None]:
     with tracking_routing(model):
         ppl = perplexity(model, tokenizer, eval_source, seq_len, progress=progress)
-    speed = forward_tokens_per_s(model, *SPEED_SHAPE) if measure_speed else None
+    speed = forward_speed(model, *SPEED_SHAPE) if measure_speed else None
     return ppl.as_dict(), speed
 
 
@@ -119,8 +119,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "nominal_active": None if nominal is None else nominal.as_dict(),
         "routing": routing,
         "speed": None if speed is None else {
-            "batch_size": SPEED_SHAPE[0], "seq_len": SPEED_SHAPE[1], "dense_tokens_per_s": dense_speed,
-            "tokens_per_s": speed, "speedup": speed / dense_speed},
+            "batch_size": SPEED_SHAPE[0], "seq_len": SPEED_SHAPE[1], "dense_tokens_per_s": dense_speed[0],
+            "tokens_per_s": speed[0], "speedup": speed[0] / dense_speed[0],
+            "spread": {"dense": dense_speed[1], "moe": speed[1]}, "repeats": 5, "warmup": 2},
         "timings": timings,
         "artifacts": sorted(artifacts),
         "details": details,

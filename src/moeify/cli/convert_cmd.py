@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
             ("conversion time", f"{rec['timings']['convert_s']:.1f} s")]
     if rec["speed"]:
         s = rec["speed"]
-        rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']})",
-                     f"{s['dense_tokens_per_s']:,.0f} -> {s['tokens_per_s']:,.0f} ({s['speedup']:.2f}x)"))
+        rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']}, median of {s['repeats']})",
+                     f"{s['dense_tokens_per_s']:,.0f} -> {s['tokens_per_s']:,.0f} ({s['speedup']:.2f}x; spread "
+                     f"{100 * s['spread']['dense']:.0f}% / {100 * s['spread']['moe']:.0f}%)"))
     print_table(f"moeify convert --method {rec['method']}", rows)
     print(f"wrote {out}/ (model, tokenizer, record.json{''.join(', ' + name for name in result.artifacts)})")
     return 0

@@ -13,6 +13,13 @@ from torch import nn
 def forward_tokens_per_s(model: nn.Module, batch_size: int, seq_len: int, *, repeats: int = 5, warmup: int = 2,
                          seed: int = 0) -> float:
     """Median tokens/s of a full forward pass (prefill) over a (batch_size, seq_len) batch."""
+    return forward_speed(model, batch_size, seq_len, repeats=repeats, warmup=warmup, seed=seed)[0]
+
+
+def forward_speed(model: nn.Module, batch_size: int, seq_len: int, *, repeats: int = 5, warmup: int = 2,
+                  seed: int = 0) -> tuple[float, float]:
+    """(median tokens/s, spread) of ``repeats`` timed forward passes after ``warmup`` untimed ones; the
+    spread is (slowest - fastest) / median time, so a noisy machine shows in the record."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
@@ -26,7 +33,8 @@ def forward_tokens_per_s(model: nn.Module, batch_size: int, seq_len: int, *, rep
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return batch_size * seq_len / statistics.median(times)
+    median = statistics.median(times)
+    return batch_size * seq_len / median, (max(times) - min(times)) / median
 
 
 @torch.no_grad()
