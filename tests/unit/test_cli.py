@@ -165,3 +165,8 @@ def test_eval_warns_when_the_perplexity_rests_on_few_tokens(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("Once upon a time there was a cat.")
     assert main(["eval", "embedded:stories260K", "--data", str(tmp_path / "short.txt"), "--seq-len", "64"]) == 0
     assert "warning: the perplexity of short.txt rests on" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such model folder or file"):
+        main(["--debug", "eval", str(tmp_path / "nowhere" / "model")])

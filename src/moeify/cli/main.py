@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the dense model. Without a MODEL argument the embedded stories260K model is used.",
         epilog="Example: moeify convert --method cmoe --set spec=S1A1E8 --out runs/cmoe")
     parser.add_argument("--version", action="version", version=f"moeify {__version__}")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the full traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
@@ -50,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
+        if args.debug:
+            raise
         print(f"moeify {args.command}: interrupted{_resume_hint(args, argv)}", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
+        if args.debug:
+            raise
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"moeify {args.command}: error: {message}", file=sys.stderr)
         return 2
