@@ -170,3 +170,12 @@ def test_eval_warns_when_the_perplexity_rests_on_few_tokens(tmp_path, capsys):
 def test_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such model folder or file"):
         main(["--debug", "eval", str(tmp_path / "nowhere" / "model")])
+
+
+def test_readme_smollm2_table_is_what_bench_real_prints_from_its_results():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_real.py"
+    table = subprocess.run([sys.executable, str(script), "--markdown"], capture_output=True, text=True,
+                           check=True).stdout
+    start, end = "<!-- bench_real:start -->\n", "<!-- bench_real:end -->"
+    block = README.read_text().split(start, 1)[1].split(end, 1)[0]
+    assert block == table, "README.md's SmolLM2 table differs from `python benchmarks/bench_real.py --markdown`"
