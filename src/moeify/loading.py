@@ -10,6 +10,8 @@ conversion of a GGUF model saves like any other.
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,7 +101,8 @@ def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[Pr
     folder = Path(source.path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
-    native = folder.is_dir() and is_native_folder(folder)
+    with _read_errors(source.path, "config.json"):
+        native = folder.is_dir() and is_native_folder(folder)
     with _read_errors(source.path, "tokenizer"):
         # A converted folder's tokenizer is the base model's: given the base config, AutoTokenizer needs no
         # remote code (and warns about no unknown model type).
@@ -118,6 +121,8 @@ def _read_errors(path: str, what: str) -> Iterator[None]:
     ``ValueError`` naming the model and what could not be read."""
     try:
         yield
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:  # ValueErrors that name no file
+        raise ValueError(f"{path}: cannot read the {what} ({type(error).__name__}: {error})") from error
     except (ValueError, FileNotFoundError):
         raise
     except Exception as error:  # noqa: BLE001 - the readers raise many types; all mean "cannot read"

@@ -21,7 +21,7 @@ def test_analyze_writes_matrices_heatmaps_and_record(tmp_path, capsys):
     assert main(["analyze", "--out", str(out), "--samples", "2", "--seq-len", "128"]) == 0
     assert "span: keep" in capsys.readouterr().out
     names = {p.name for p in out.iterdir()}
-    assert names == {"layer_similarity.json", "layer_output_similarity.png", "mlp_input_similarity.png",
+    assert names - {".moeify"} == {"layer_similarity.json", "layer_output_similarity.png", "mlp_input_similarity.png",
                      "record.json"}
     matrices = json.loads((out / "layer_similarity.json").read_text())
     record = read_record(out)

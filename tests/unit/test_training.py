@@ -77,7 +77,7 @@ def test_checkpoints_are_safetensors_and_json_written_atomically(tmp_path):
     [step] = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert step.name == "step-00000004"  # older checkpoints are removed
     assert sorted(p.name for p in step.iterdir()) == [
-        "model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
+        ".moeify", "model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
     state = json.loads((step / "state.json").read_text())
     assert state["step"] == 4 and state["fingerprint"] == FINGERPRINT and len(state["log"]["losses"]) == 4
 
