@@ -55,8 +55,13 @@ def convert(ctx: ConversionContext, cfg: TealConfig) -> dict[str, Any]:
                 hooks.enter_context(capture_inputs(m, seen[name].append))
             step.run()
         layer_thresholds = {}
+        by_input: dict[tuple[int, ...], float] = {}  # q/k/v (and gate/up) read the same tensor: one quantile
         for name, linear in linears.items():
-            t = magnitude_threshold(seen.pop(name), cfg.sparsity)
+            inputs = seen.pop(name)
+            key = tuple(t.data_ptr() for t in inputs)
+            if key not in by_input:
+                by_input[key] = magnitude_threshold(inputs, cfg.sparsity)
+            t = by_input[key]
             _replace(step.layer, name, thresholded(linear, cfg.sparsity, t))
             layer_thresholds[name] = round(t, 6)
         thresholds.append(layer_thresholds)
