@@ -1,8 +1,11 @@
 """One decoder layer at a time (after llm-compressor's sequential pipeline).
 
-The model runs once up to the first decoder layer to capture that layer's inputs (hidden states and
-the keyword arguments the model passes every layer: position embeddings, masks). Then, layer by
-layer: move the layer to the work device, let the caller observe and convert it, run the (possibly
+The model runs once with every decoder layer standing aside (each records the keyword arguments the
+model passes it and returns its input unchanged) to capture layer 0's hidden states and every layer's
+own arguments: models whose layers differ (sliding and full attention alternating, a rotary base per
+layer type, as Gemma-2/3 and Qwen2 with ``layer_types`` do) give each layer its own mask and position
+embeddings, and a layer must be replayed with its own. Arguments shared by all layers are one object,
+stored once. Then, layer by layer: move the layer to the work device, let the caller observe and convert it, run the (possibly
 converted) layer on the cached inputs to get the next layer's inputs, move it back. Only one layer's
 activations are alive at a time, and later layers are calibrated on the outputs of the converted
 earlier ones, so each conversion sees the errors made before it.
@@ -63,19 +66,32 @@ class LayerStep:
         return outputs
 
 
-def capture_first_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor,
-                               batch_size: int) -> LayerInputs:
-    """Run the model on ``batches`` (n, seq) and keep what reaches decoder layer 0."""
-    cache = LayerInputs()
+def capture_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor,
+                         batch_size: int) -> tuple[list[Tensor], list[list[dict[str, Any]]]]:
+    """Run the model on ``batches`` (n, seq) with its decoder layers standing aside.
 
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        cache.hidden.append(hidden.detach())
-        cache.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _StopForward
+    Returns layer 0's hidden states (one tensor per batch) and, per layer, the keyword arguments the
+    model passed it (one dict per batch). No layer computes anything; the forward stops after the last.
+    """
+    hidden: list[Tensor] = []
+    kwargs: list[list[dict[str, Any]]] = [[] for _ in range(adapter.num_layers)]
+
+    def stand_in(index: int):
+        def forward(hidden_states: Tensor, *args: Any, **layer_kwargs: Any) -> Tensor:
+            if args:
+                raise TypeError(f"decoder layer {index} got positional arguments beyond the hidden states")
+            if index == 0:
+                hidden.append(hidden_states.detach())
+            kwargs[index].append(layer_kwargs)
+            if index == adapter.num_layers - 1:
+                raise _StopForward
+            return hidden_states
+        return forward
 
     device = next(model.parameters()).device
-    handle = adapter.layer(0).register_forward_pre_hook(hook, with_kwargs=True)
+    layers = [adapter.layer(i) for i in range(adapter.num_layers)]
+    for index, layer in enumerate(layers):
+        layer.forward = stand_in(index)  # an instance attribute shadows the class's forward
     try:
         with torch.no_grad():
             for chunk in batches.split(batch_size):
@@ -84,8 +100,9 @@ def capture_first_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, 
                 except _StopForward:
                     pass
     finally:
-        handle.remove()
-    return cache
+        for layer in layers:
+            del layer.forward
+    return hidden, kwargs
 
 
 def stream_layers(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor, *,
@@ -93,11 +110,11 @@ def stream_layers(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tens
     """Yield a ``LayerStep`` per decoder layer; after the caller is done with it, its outputs become
     the next layer's inputs."""
     device = torch.device(device)
-    inputs = capture_first_layer_inputs(model, adapter, batches, batch_size)
+    hidden, kwargs = capture_layer_inputs(model, adapter, batches, batch_size)
     for index in range(adapter.num_layers):
         home = next(adapter.layer(index).parameters()).device
-        step = LayerStep(index, adapter.layer(index).to(device), inputs, device)
+        step = LayerStep(index, adapter.layer(index).to(device), LayerInputs(hidden, kwargs[index]), device)
         yield step
         step.layer = adapter.layer(index).to(device)  # the caller may have replaced its MLP
-        inputs = LayerInputs(step.run(), inputs.kwargs)
+        hidden = step.run()
         adapter.layer(index).to(home)

@@ -1,0 +1,50 @@
+"""Layer streaming replays every decoder layer with its own arguments and reproduces the model's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.tiny_models import FAMILY_NAMES, tiny_model
+
+SEQ = 32
+WINDOW = 8  # shorter than SEQ: a layer replayed with another layer's mask computes something else
+
+# Families whose config has a sliding window, set so that the layers differ where the family allows it
+# (Qwen2/Qwen3: full attention below max_window_layers, sliding above).
+SLIDING: dict[str, dict] = {
+    "mistral": dict(sliding_window=WINDOW),
+    "phi3": dict(sliding_window=WINDOW),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_layer_streaming_equals_the_models_forward(family):
+    from moeify.arch import DecoderAdapter
+    from moeify.calibration.stream import stream_layers
+
+    model = tiny_model(family, **SLIDING.get(family, {}))
+    batches = torch.randint(3, 128, (3, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model(input_ids=batches, output_hidden_states=True).hidden_states
+    adapter = DecoderAdapter(model)
+    for step in stream_layers(model, adapter, batches, device="cpu", batch_size=2):
+        torch.testing.assert_close(torch.cat(step.inputs.hidden), hidden[step.index], atol=1e-5, rtol=1e-5)
+    # the last layer's output too (the model's last hidden state is after the final norm: compare before it)
+    assert len(hidden) == adapter.num_layers + 1
+
+
+def test_a_sliding_window_makes_the_layers_arguments_differ():
+    """The test above would pass trivially if the tiny models' layers all got the same mask."""
+    from moeify.arch import DecoderAdapter
+    from moeify.calibration.stream import capture_layer_inputs
+
+    model = tiny_model("qwen2", **SLIDING["qwen2"])
+    adapter = DecoderAdapter(model)
+    _, kwargs = capture_layer_inputs(model, adapter, torch.randint(3, 128, (1, SEQ)), 1)
+    masks = [layer[0]["attention_mask"] for layer in kwargs]
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    assert masks[0] is None or masks[1] is None or not torch.equal(masks[0], masks[1])
+    assert masks[0] is not masks[1]
