@@ -2,8 +2,11 @@
 file (or a folder holding exactly one), or the embedded default. Below the use cases, so that every one
 of them (convert, evaluate, export, analyze, compare) loads the same way.
 
+Every loader takes the working dtype (``float32``, ``bfloat16``, ``float16``); by default a checkpoint loads in
+its own (``config.dtype``), and a GGUF file, whose weights are quantised, in float32.
+
 GGUF files load through transformers' own GGUF reader (the ``gguf`` package): weights dequantised to the
-working dtype (float32), tokenizer from the file. transformers marks such a model as quantised and refuses to
+working dtype, tokenizer from the file. transformers marks such a model as quantised and refuses to
 save it, although its weights are ordinary float tensors by then; moeify removes that marker, so a
 conversion of a GGUF model saves like any other.
 """
@@ -74,6 +77,25 @@ def _looks_local(name: str) -> bool:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def working_dtype(dtype: str | torch.dtype | None, config: PreTrainedConfig | None) -> torch.dtype:
+    """``dtype`` by name or as a torch dtype; None: the checkpoint's own floating dtype (``config``'s), else
+    float32 (a GGUF model, a config that names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not a working dtype; allowed: {', '.join(DTYPES)}")
+        return dtype
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not a working dtype; allowed: {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    own = getattr(config, "dtype", None) if config is not None else None
+    own = DTYPES.get(own) if isinstance(own, str) else own
+    return own if own in DTYPES.values() else torch.float32
+
+
 def check_device(device: str) -> None:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use --device cpu")
@@ -86,18 +108,20 @@ def load_config(model: str | Path | None) -> PreTrainedConfig:
         return AutoConfig.from_pretrained(source.path, **source.kwargs)
 
 
-def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
-    """Load a folder written by ``save`` (moeify's native format) with moeify's runtime classes."""
-    return load_native(Path(path), device)
+def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None) -> PreTrainedModel:
+    """Load a folder written by ``save`` (moeify's native format) with moeify's runtime classes, in ``dtype``
+    (default: the dtype it was saved in)."""
+    return load_native(Path(path), device, working_dtype(dtype, native_config(Path(path))))
 
 
-def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[PreTrainedModel, Any]:
+def load_model(model: str | Path | None = None, device: str = "cpu",
+               dtype: str | torch.dtype | None = None) -> tuple[PreTrainedModel, Any]:
     """(model, tokenizer) from a converted folder, a dense local folder or hub name, a GGUF file, or the
-    embedded default (``None``)."""
+    embedded default (``None``), in ``dtype`` (default: the checkpoint's own; float32 for GGUF)."""
     check_device(device)
     source = model_source(model)
     if source.gguf_file is not None:
-        return _load_gguf(source, device)
+        return _load_gguf(source, device, working_dtype(dtype, None))
     folder = Path(source.path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
@@ -110,8 +134,9 @@ def load_model(model: str | Path | None = None, device: str = "cpu") -> tuple[Pr
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, config=config)
     with _read_errors(source.path, "weights"):
         if native:
-            return load_native(folder, device), tokenizer
-        dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+            return load_native(folder, device, working_dtype(dtype, config)), tokenizer
+        dtype = working_dtype(dtype, AutoConfig.from_pretrained(source.path))
+        dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     return dense.to(device).eval(), tokenizer
 
 
@@ -130,12 +155,12 @@ def _read_errors(path: str, what: str) -> Iterator[None]:
         raise ValueError(f"{path}: cannot read the {what} ({type(error).__name__}: {detail})") from error
 
 
-def _load_gguf(source: ModelSource, device: str) -> tuple[PreTrainedModel, Any]:
-    """The GGUF model dequantised to float32 and its tokenizer; the model's quantisation marker removed
+def _load_gguf(source: ModelSource, device: str, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    """The GGUF model dequantised to ``dtype`` and its tokenizer; the model's quantisation marker removed
     (its weights are plain float tensors already: only the marker made ``save_pretrained`` refuse)."""
     with _gguf_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **source.kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.kwargs)
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.config.name_or_path = str(source)

@@ -28,24 +28,13 @@ import torch
 from moeify.methods import METHODS, Method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, tracking_routing
 from moeify.options import build_config
-from tests.helpers.conversion import conversion_context
+from tests.helpers.conversion import FAST, conversion_context
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "helpers" / "golden.json"
 WRITE = os.environ.get("MOEIFY_WRITE_GOLDEN") == "1"
 REL = 1e-5  # float32 sums and maxima; the ratios are checked as tightly
 
-# Small options per method, so that each conversion stays well under 2 s; a method not listed runs with its
-# defaults (change an entry, and the method's golden values must be rewritten).
-FAST: dict[str, dict[str, object]] = {
-    "cmoe": {"calib_samples": 4, "seq_len": 64},
-    "random_split": {"calib_samples": 4, "seq_len": 64},
-    "more": {"calib_samples": 8, "seq_len": 64},
-    "tomoe": {"steps": 3, "batch_size": 2, "seq_len": 32, "calib_samples": 2, "checkpoint_every": 0},
-    "dsmoe": {"steps": 3, "batch_size": 2, "seq_len": 32, "checkpoint_every": 0, "analyses": False},
-    "dense2moe": {"calib_samples": 4, "seq_len": 64, "steps": 3, "warmup": 1, "checkpoint_every": 0, "delta": 2.0},
-    "static_prune": {"calib_samples": 4, "seq_len": 64},
-}
 SEED = 0
 IDS = torch.randint(3, 512, (2, 32), generator=torch.Generator().manual_seed(7))  # ids of the embedded tokenizer
 

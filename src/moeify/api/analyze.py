@@ -40,7 +40,7 @@ def analyzing_method(name: str | None) -> Method:
 
 def analyze_layers(model: str | Path | None = None, *, method: str | None = None, calib: str | Path | None = None,
                    samples: int = 8, seq_len: int | None = None, seed: int = 0, device: str = "cpu",
-                   progress: bool = False) -> LayerAnalysis:
+                   dtype: str | None = None, progress: bool = False) -> LayerAnalysis:
     """``method``'s analysis (default: the first method that offers one) of ``model`` (default: the
     embedded one) on ``samples`` windows of ``seq_len`` tokens (default min(1024, context)) drawn from
     ``calib``."""
@@ -48,7 +48,7 @@ def analyze_layers(model: str | Path | None = None, *, method: str | None = None
     source = read_text(calib or EMBEDDED_CALIB)
     if samples < 1:
         raise OptionError(f"samples={samples} is out of range; allowed: [1, inf)")
-    loaded, tokenizer = load_model(model, device)
+    loaded, tokenizer = load_model(model, device, dtype)
     context = loaded.config.max_position_embeddings
     seq_len = min(1024, context) if seq_len is None else seq_len
     if not 2 <= seq_len <= context:
@@ -59,7 +59,8 @@ def analyze_layers(model: str | Path | None = None, *, method: str | None = None
         "command": "analyze",
         "method": analysis.name,
         "model": str(model or EMBEDDED_MODEL),
-        "config": {"samples": samples, "seq_len": seq_len, "seed": seed, "device": device},
+        "config": {"samples": samples, "seq_len": seq_len, "seed": seed, "device": device,
+                   "dtype": str(next(loaded.parameters()).dtype).removeprefix("torch.")},
         "data": {"calib": {"name": source.name, "sha256": source.sha256}},
         **entries,
         "artifacts": sorted(artifacts),

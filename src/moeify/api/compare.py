@@ -47,7 +47,8 @@ def _completed(folder: Path) -> bool:
 
 
 def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *, calib: str | None = None,
-                   eval: str | None = None, seed: int = 0, progress: bool = False, overwrite: bool = False,
+                   eval: str | None = None, seed: int = 0, device: str = "cpu", dtype: str | None = None,
+                   progress: bool = False, overwrite: bool = False,
                    resume: bool = False) -> list[dict[str, Any]]:
     """Convert with every method into ``out/<method>`` and write ``out/report``; returns one summary per
     method (its folder, the options used, how they were matched, or the error that stopped it). With
@@ -56,7 +57,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
     from moeify.report.build import write_report
 
     prepare_output(out, overwrite=overwrite, resume=resume)
-    dense, _ = moeify.load_model(model)
+    dense, _ = moeify.load_model(model, device, dtype)
     adapter = DecoderAdapter(dense)
     summaries = []
     for method in methods:
@@ -64,13 +65,15 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
         summary: dict[str, Any] = {"method": method, "matched": how}
         if resume and _completed(out / method):
             record = json.loads((out / method / "record.json").read_text())
-            summary.update(options={k: v for k, v in record["config"].items() if k not in ("seed", "device")},
+            run_settings = ("seed", "device", "dtype")
+            summary.update(options={k: v for k, v in record["config"].items() if k not in run_settings},
                            folder=str(out / method), resumed=True)
             summaries.append(summary)
             continue
         for options in attempts:
             try:
-                result = convert(model, method, options, calib=calib, eval=eval, seed=seed, progress=progress)
+                result = convert(model, method, options, calib=calib, eval=eval, seed=seed, device=device,
+                                 dtype=dtype, progress=progress)
             except ValueError as error:  # e.g. a budget this method cannot reach with these options
                 summary["error"] = str(error)
                 continue

@@ -18,7 +18,7 @@ from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_speed
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
-from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model
+from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, working_dtype
 from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
@@ -61,13 +61,15 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
 
 def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
             calib: str | Path | None = None, eval: str | Path | None = None, seed: int = 0, device: str = "cpu",
-            eval_seq_len: int | None = None, measure_speed: bool = True, progress: bool = False,
+            dtype: str | None = None, eval_seq_len: int | None = None, measure_speed: bool = True,
+            progress: bool = False,
             work_dir: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
     ``work_dir`` is where a method keeps state across runs (training checkpoints to resume from); the
-    CLI uses ``<out>.work`` beside the output folder. Everything that can be validated is validated
-    before the model's weights are loaded."""
+    CLI uses ``<out>.work`` beside the output folder. ``dtype``: the working dtype (default: the
+    checkpoint's own; see ``moeify.loading``). Everything that can be validated is validated before the
+    model's weights are loaded."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
     calib_source = read_text(calib or EMBEDDED_CALIB)
@@ -86,7 +88,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
 
     check_device(device)
     torch.manual_seed(seed)
-    dense, tokenizer = load_model(model, device)
+    working_dtype(dtype, None)  # a bad name fails before the weights load
+    dense, tokenizer = load_model(model, device, dtype)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
     ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress,
                             work_dir=None if work_dir is None else Path(work_dir))
@@ -109,7 +112,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "method": spec.name,
         "paper": spec.paper,
         "model": str(model or EMBEDDED_MODEL),
-        "config": {**vars(config), "seed": seed, "device": device},
+        "config": {**vars(config), "seed": seed, "device": device,
+                   "dtype": str(next(dense.parameters()).dtype).removeprefix("torch.")},
         "data": {"calib": {"name": calib_source.name, "sha256": calib_source.sha256},
                  "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
         "metrics": {"dense_ppl": dense_quality["ppl"], "ppl": quality["ppl"], "eval_tokens": quality["tokens"],

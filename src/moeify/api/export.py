@@ -24,27 +24,28 @@ def exporter_named(name: str):
     return EXPORTERS[name]
 
 
-def check_formats(source: str | Path, device: str = "cpu") -> list[Support]:
+def check_formats(source: str | Path, device: str = "cpu", dtype: str | None = None) -> list[Support]:
     """``supports(model, explain=True)`` of every format for the model in ``source``."""
-    model, _ = load_model(source, device)
+    model, _ = load_model(source, device, dtype)
     return [exporter.supports(model, explain=True) for exporter in EXPORTERS.values()]
 
 
 def export_folder(source: str | Path, fmt: str, out: str | Path, *, distill_steps: int | None = None,
                   calib: str | Path | None = None, eval: str | Path | None = None, seed: int = 0,
-                  overwrite: bool = False, device: str = "cpu") -> dict[str, Any]:
+                  overwrite: bool = False, device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
     """Export the converted model in ``source`` to ``fmt`` in ``out`` (atomically).
 
     ``distill_steps``: replace non-linear routers by linear ones fitted to their decisions on ``calib``
     (default: the embedded calibration slice); the record then reports the decision agreement and the
-    perplexity of source and export on ``eval`` (default: the embedded evaluation slice)."""
+    perplexity of source and export on ``eval`` (default: the embedded evaluation slice). The export is
+    written in ``dtype`` (default: the dtype the source was saved in)."""
     exporter = exporter_named(fmt)
     if distill_steps is None and (calib or eval):
         raise ValueError("--calib and --eval are the distillation's texts; they need --distill-router STEPS")
     out = Path(out)
     check_output_dir(out, overwrite)
     calib_source, eval_source = read_text(calib or EMBEDDED_CALIB), read_text(eval or EMBEDDED_EVAL)
-    model, tokenizer = load_model(source, device)
+    model, tokenizer = load_model(source, device, dtype)
     support = exporter.supports(model, explain=True)
     if not support and not (support.distillable and distill_steps):
         raise NotExportable(str(support))

@@ -5,10 +5,10 @@ model passes it and returns its input unchanged) to capture layer 0's hidden sta
 own arguments: models whose layers differ (sliding and full attention alternating, a rotary base per
 layer type, as Gemma-2/3 and Qwen2 with ``layer_types`` do) give each layer its own mask and position
 embeddings, and a layer must be replayed with its own. Arguments shared by all layers are one object,
-stored once. Then, layer by layer: move the layer to the work device, let the caller observe and convert it, run the (possibly
-converted) layer on the cached inputs to get the next layer's inputs, move it back. Only one layer's
-activations are alive at a time, and later layers are calibrated on the outputs of the converted
-earlier ones, so each conversion sees the errors made before it.
+stored once. Then, layer by layer: move the layer to the work device, let the caller observe and
+convert it, run the (possibly converted) layer on the cached inputs to get the next layer's inputs,
+move it back. Only one layer's activations are alive at a time, and later layers are calibrated on the
+outputs of the converted earlier ones, so each conversion sees the errors made before it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
 
@@ -20,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=8, help="calibration windows (default 8)")
     parser.add_argument("--seq-len", type=int, default=None, help="window length (default: min(1024, context))")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the window choice (default 0)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="work device (default cpu)")
+    add_device_arguments(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.set_defaults(run=run)
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out, args.overwrite)
     result = analyze_layers(args.model, calib=args.calib, samples=args.samples, seq_len=args.seq_len,
-                            seed=args.seed, device=args.device, progress=True)
+                            seed=args.seed, device=args.device, dtype=args.dtype, progress=True)
     out = save_analysis(result, args.out, overwrite=args.overwrite)
     rec = result.record
     rows = [("decoder layers", str(len(rec["similarity"]["layer_output"]))),

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
 
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="prefill length and decode prompt (default 256)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per sequence (default 32)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after warm-up (default 5)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     parser.set_defaults(run=run)
 
@@ -53,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
         if not record.is_file():
             raise ValueError(f"{args.model} has no {RECORD_NAME}; pass the dense model with --against")
         against = json.loads(record.read_text())["model"]
-    moe, _ = moeify.load_model(args.model, args.device)
-    dense, _ = moeify.load_model(against, args.device)
+    moe, _ = moeify.load_model(args.model, args.device, args.dtype)
+    dense, _ = moeify.load_model(against, args.device, args.dtype)
     result = benchmark_pair(dense, moe, sizes, args.seq_len, args.new_tokens, args.repeats)
     rows = [(f"prefill b={p['batch_size']} tokens/s", f"{p['dense']:,.0f} -> {p['moe']:,.0f} ({p['speedup']:.2f}x)")
             for p in result["prefill"]]

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from moeify.cli.common import add_device_arguments
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from moeify.methods import METHODS
@@ -23,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--calib", default=None, help="calibration/training text (default: embedded)")
     parser.add_argument("--eval", default=None, help="evaluation text (default: embedded, disjoint)")
     parser.add_argument("--seed", type=int, default=0)
+    add_device_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs are "
                                                               "kept, the others run")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
     with output_lock(args.out):
         summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
-                                   seed=args.seed, progress=True, overwrite=args.overwrite, resume=args.resume)
+                                   seed=args.seed, device=args.device, dtype=args.dtype,
+                                   progress=True, overwrite=args.overwrite, resume=args.resume)
         (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     for s in summaries:
         print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")

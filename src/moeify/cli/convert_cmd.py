@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
 
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="method option, repeatable (see `moeify methods`)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="work device (default cpu)")
+    add_device_arguments(parser)
     parser.add_argument("--seq-len", type=int, default=None, help="evaluation window (default: model context)")
     parser.add_argument("--no-speed", action="store_true", help="skip the dense-vs-MoE throughput measurement")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     work_dir = args.out.with_name(args.out.name + ".work")
     with output_lock(args.out):  # a second convert into the same --out is refused, naming this one
         result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
-                                seed=args.seed, device=args.device, eval_seq_len=args.seq_len,
+                                seed=args.seed, device=args.device, dtype=args.dtype, eval_seq_len=args.seq_len,
                                 measure_speed=not args.no_speed, progress=True, work_dir=work_dir)
         for warning in result.warnings:
             print(f"warning: {warning}", file=sys.stderr)

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 from moeify.evaluation.harness import TASKS, check_tasks
 
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--stride", type=int, default=None, help="window step of --protocol sliding")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="runtime option")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_arguments(parser)
     harness = parser.add_argument_group(
         "zero-shot tasks (lm-evaluation-harness, offline; pip install -e \".[eval]\")",
         "Without --data, only the tasks run (no perplexity).")
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as error:
             print(f"moeify eval: error: {error}", file=sys.stderr)
             return 2
-    model, tokenizer = moeify.load_model(args.model, args.device)
+    model, tokenizer = moeify.load_model(args.model, args.device, args.dtype)
     results = moeify.evaluate(model, tokenizer, args.data or None, seq_len=args.seq_len, runtime_options=options,
                               protocol=args.protocol, stride=args.stride,
                               tasks=args.tasks, task_data=args.task_data, limit=args.limit,

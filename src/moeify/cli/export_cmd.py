@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
 
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval", default=None, help="text for the perplexity change (default: embedded "
                                                      "evaluation slice)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="work device (default cpu)")
+    add_device_arguments(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.set_defaults(run=run)
 
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from moeify.api import export_folder
 
     record = export_folder(args.model, args.format, args.out, distill_steps=args.distill_router, calib=args.calib,
-                           eval=args.eval, seed=args.seed, overwrite=args.overwrite, device=args.device)
+                           eval=args.eval, seed=args.seed, overwrite=args.overwrite, device=args.device,
+                           dtype=args.dtype)
     routed = sum(layer["routed"] for layer in record["layers"])
     rows = [("format", record["format"]),
             ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (distilled routers)"),

@@ -85,7 +85,8 @@ def native_config(path: Path) -> Any:
     return config_cls.from_dict(raw)
 
 
-def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedModel:
+def load_native(path: Path, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a native folder with moeify's own runtime classes (so moeify can inspect and re-route it)."""
     path = Path(path)
     config = native_config(path)
@@ -93,6 +94,6 @@ def load_native(path: Path, device: str | torch.device = "cpu") -> PreTrainedMod
     model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls], None,
                                                 runtime_attention.install_pruned_attention,
                                                 runtime_sparse.install_sparse_inputs)
-    model = model_cls.from_pretrained(path, config=config, dtype=torch.float32)
+    model = model_cls.from_pretrained(path, config=config, dtype=dtype)
     return model.to(device).eval()
 

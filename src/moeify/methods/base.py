@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from moeify.arch import DecoderAdapter
@@ -73,11 +73,32 @@ class Method:
 
     def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
         """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load
-        of the saved folder does (``runtime.moe.set_packed_widths``); returns ``convert``'s details."""
+        of the saved folder does (``runtime.moe.set_packed_widths``); returns ``convert``'s details.
+
+        The converted model is in the working dtype (the dense model's): methods build routers and learn
+        masks in float32, and what they made is cast back, so a bfloat16 model converts to a bfloat16 one.
+        Buffers the model had before keep their dtype (rotary frequencies stay float32, as transformers
+        keeps them)."""
+        dtype = next(ctx.model.parameters()).dtype
+        kept = {name for name, _ in ctx.model.named_buffers()}
         details = self.convert(ctx, config)
+        _cast_new_state(ctx.model, dtype, kept)
         set_packed_widths(ctx.model)
         return details
 
     def check(self, config: Any, model_config: PreTrainedConfig) -> None:
         """Model-dependent validation (e.g. ``top_k`` against the expert count), before heavy work."""
         config.check(model_config)
+
+
+def _cast_new_state(model: nn.Module, dtype: torch.dtype, kept_buffers: set[str]) -> None:
+    """Every floating parameter, and every floating buffer not in ``kept_buffers``, to ``dtype``."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for module_name, module in model.named_modules():
+            for attr, buffer in module._buffers.items():  # in place: persistence and hooks stay as they are
+                name = f"{module_name}.{attr}" if module_name else attr
+                if buffer is not None and buffer.is_floating_point() and name not in kept_buffers:
+                    module._buffers[attr] = buffer.to(dtype)

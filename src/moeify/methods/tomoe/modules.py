@@ -114,11 +114,13 @@ class MaskedMLP(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         if not self.enabled:
             return self.weights.forward(hidden_states)
-        g, self.soft = st_gumbel_softmax(self.modules_.router(hidden_states), self.tau, self.noise is not None)  # Eq. 3
+        # the learned modules stay in float32 whatever the model's dtype: cast in, and the masks back out
+        x = hidden_states.to(self.embeddings.dtype)
+        g, self.soft = st_gumbel_softmax(self.modules_.router(x), self.tau, self.noise is not None)  # Eq. 3
         self.hard = g.detach()
         s = st_gumbel_sigmoid(self.modules_.proj_mlp(g @ self.embeddings), self.tau, self.noise)   # s: Eq. 3
         w = self.weights
-        return nn.functional.linear(w.hidden(hidden_states) * s, w.down, w.down_bias)  # Eq. 2
+        return nn.functional.linear(w.hidden(hidden_states) * s.to(hidden_states.dtype), w.down, w.down_bias)  # Eq. 2
 
 
 class AttentionMasks:
@@ -153,7 +155,7 @@ class AttentionMasks:
         m = self.modules_
         half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise)   # s_0: Eq. 5 at t = 0
         self.qk_kept = torch.cat([half, half])                                           # Appendix A.2
-        logits = m.proj_vo(m.proj_e(x) + self.mean_embedding)
+        logits = m.proj_vo(m.proj_e(x.to(self.mean_embedding.dtype)) + self.mean_embedding)  # float32 modules
         self.token_logits = logits.detach()  # what the conversion thresholds
         self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise)              # s_t: Eq. 5
         self.tokens_kept = self._token_masks.reshape(-1, self.head_dim)
@@ -163,7 +165,7 @@ class AttentionMasks:
             return out
         heads = out.view(*out.shape[:-1], -1, self.head_dim)
         mask = mask if mask.dim() == 1 else mask.unsqueeze(-2)  # per token: the same mask on every head
-        return (heads * mask).view(out.shape)
+        return (heads * mask.to(out.dtype)).view(out.shape)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,15 @@
+"""Arguments several subcommands share."""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype``: where the model runs and in which floating type."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="work device (default cpu)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="working dtype of the weights (default: the checkpoint's own; float32 for GGUF); "
+                             "statistics accumulate in float32 whatever it is, and outputs are saved in it")
