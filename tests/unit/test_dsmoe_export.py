@@ -17,8 +17,16 @@ FAST = ["--set", "steps=3", "--set", "seq_len=64", "--set", "batch_size=2", "--s
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "dsmoe"
-    assert main(["convert", "--method", "dsmoe", "--out", str(out), "--no-speed", *FAST]) == 0
+    from importlib import resources
+
+    runs = tmp_path_factory.mktemp("runs")
+    text = resources.files("moeify.data").joinpath("tinystories_eval.txt").read_text()
+    second = runs / "second_half.txt"  # a second held-out data set: one more row of the Fig. 3 heatmap
+    second.write_text(text[len(text) // 2:])
+    out = runs / "dsmoe"
+    assert main(["convert", "--method", "dsmoe", "--out", str(out), "--no-speed", *FAST,
+                 "--eval", str(resources.files("moeify.data").joinpath("tinystories_eval.txt")),
+                 "--eval", str(second)]) == 0
     return out
 
 
@@ -28,11 +36,15 @@ def test_convert_writes_model_record_and_heatmap(converted):
     assert record["nominal_active"] is None  # a threshold router has no nominal expert count
     assert 0 < record["active"]["mlp_ratio"] <= 1
     analysis = record["details"]["analysis"]
-    assert [row["tau"] for row in analysis["tau_sweep"]] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
-    ratios = [row["mlp_ratio"] for row in analysis["tau_sweep"]]
+    first = [row for row in analysis["tau_sweep"] if row["data"] == record["data"]["eval"]["name"]]
+    assert [row["tau"] for row in first] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    assert len(analysis["tau_sweep"]) == 2 * len(first)  # Table 4 on each --eval file
+    ratios = [row["mlp_ratio"] for row in first]
     assert ratios == sorted(ratios, reverse=True)  # a higher threshold never activates more
-    [per_layer] = analysis["activated_experts"]["per_file"].values()
-    assert len(per_layer) == 5 and all(0 <= x <= 8 for x in per_layer)
+    per_file = analysis["activated_experts"]["per_file"]
+    assert list(per_file) == ["tinystories_eval.txt", "second_half.txt"]  # one heatmap row per --eval file
+    assert all(len(row) == 5 and all(0 <= x <= 8 for x in row) for row in per_file.values())
+    assert record["data"]["eval"]["name"] == "tinystories_eval.txt"  # the metrics are the first file's
     assert analysis["heatmap"] in record["artifacts"]
     assert (converted / analysis["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert record["details"]["training"]["steps"] == 3

@@ -60,12 +60,15 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
 
 
 def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
-            calib: str | Path | None = None, eval: str | Path | None = None, seed: int = 0, device: str = "cpu",
+            calib: str | Path | None = None, eval: str | Path | list[str | Path] | None = None, seed: int = 0,
+            device: str = "cpu",
             dtype: str | None = None, eval_seq_len: int | None = None, measure_speed: bool = True,
             progress: bool = False,
             work_dir: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
+    ``eval``: one held-out text, or several: the first is the one the metrics are measured on, and a
+    method's analysis (e.g. DSMoE's per-data-set heatmap) covers them all.
     ``work_dir`` is where a method keeps state across runs (training checkpoints to resume from); the
     CLI uses ``<out>.work`` beside the output folder. ``dtype``: the working dtype (default: the
     checkpoint's own; see ``moeify.loading``). Everything that can be validated is validated before the
@@ -73,11 +76,11 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
     calib_source = read_text(calib or EMBEDDED_CALIB)
-    eval_source = read_text(eval or EMBEDDED_EVAL)
-    warnings = []
-    if calib_source.sha256 == eval_source.sha256:
-        warnings.append(f"the calibration and evaluation texts are identical ({calib_source.name}): the "
-                        "perplexity is measured on calibration data and will look better than it is")
+    eval_sources = [read_text(e) for e in (eval if isinstance(eval, list) else [eval or EMBEDDED_EVAL])]
+    eval_source = eval_sources[0]
+    warnings = [f"the calibration and evaluation texts are identical ({calib_source.name}): the perplexity is "
+                "measured on calibration data and will look better than it is"
+                for source in eval_sources if source.sha256 == calib_source.sha256]
     model_config = load_config(model)
     family_for(model_config)
     spec.check(config, model_config)
@@ -105,7 +108,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     timings = {"convert_s": convert_s}
     if spec.analyze is not None:  # after the common measurements: analyses may re-route and re-measure
         start = time.perf_counter()
-        details["analysis"] = spec.analyze(ctx, config, [eval_source], seq_len)
+        details["analysis"] = spec.analyze(ctx, config, eval_sources, seq_len)
         timings["analysis_s"] = time.perf_counter() - start
     artifacts = {**_routing_artifacts(routing), **ctx.artifacts}
     record = {
@@ -115,7 +118,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "config": {**vars(config), "seed": seed, "device": device,
                    "dtype": str(next(dense.parameters()).dtype).removeprefix("torch.")},
         "data": {"calib": {"name": calib_source.name, "sha256": calib_source.sha256},
-                 "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
+                 "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
+                 "analysis_eval": [{"name": s.name, "sha256": s.sha256} for s in eval_sources]},
         "metrics": {"dense_ppl": dense_quality["ppl"], "ppl": quality["ppl"], "eval_tokens": quality["tokens"],
                     "dense_eval": dense_quality, "eval": quality},
         "active": active,

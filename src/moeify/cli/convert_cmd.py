@@ -23,8 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
     parser.add_argument("--calib", default=None, help="calibration/training text (.txt/.jsonl/.json; "
                                                       "default: embedded TinyStories calibration slice)")
-    parser.add_argument("--eval", default=None, help="held-out evaluation text (default: embedded "
-                                                     "TinyStories evaluation slice, disjoint from --calib)")
+    parser.add_argument("--eval", action="append", default=None,
+                        help="held-out evaluation text (default: embedded TinyStories evaluation slice, disjoint "
+                             "from --calib); repeatable: the metrics use the first, a method's analysis all "
+                             "(DSMoE: one heatmap row per file)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="method option, repeatable (see `moeify methods`)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
