@@ -28,8 +28,9 @@ def test_at_the_default_budget_layer_fusion_upcycling_beats_both_baselines(held_
     runs = {variant: convert(held_out, variant=variant) for variant in VARIANTS}
     for record in runs.values():  # the method's defaults: one layer removed, top-1, 100 steps
         config = record["config"]
-        assert (config["prune_layers"], config["top_k"], config["steps"], config["lr"]) == (1, 1, 100, 1e-3)
-        assert record["details"]["finetune"]["steps"] == 100 and record["details"]["selection"]["removed"] == [2]
+        assert (config["prune_layers"], config["top_k"], config["steps"], config["lr"]) == (None, 1, 100, 1e-3)
+        [selection] = record["details"]["selection"]  # the paper's share of 5 layers: one, in one span
+        assert record["details"]["finetune"]["steps"] == 100 and selection["removed"] == [2]
         assert record["active"]["apr"] == pytest.approx(0.8)  # 4 of 5 attentions, 1 of 5 MLPs not run
     ppl = {variant: record["metrics"]["ppl"] for variant, record in runs.items()}
     print("top-1 perplexity:", ppl, "dense:", runs["lfuc"]["metrics"]["dense_ppl"])

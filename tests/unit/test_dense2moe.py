@@ -12,7 +12,8 @@ from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
 from moeify.methods.dense2moe import Dense2moeConfig
-from moeify.methods.dense2moe.build import Span, expert_sources, fold_mlp_norm, rank_spans, select_span
+from moeify.methods.dense2moe.build import (Span, expert_sources, fold_mlp_norm, rank_spans, select_span,
+                                            select_spans, span_sizes)
 from moeify.methods.dense2moe.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.options import OptionError, build_config
@@ -43,6 +44,30 @@ def test_spans_ranked_by_layer_output_similarity_and_delta_read_as_a_distance():
     assert (two.layer, two.n, two.removed) == (0, 2, [1, 2]) and two.mlp_input_distance == pytest.approx(0.2)
     with pytest.raises(OptionError, match=r"delta=0.15: no span of 2 layers .* closest is 0.2000 .* raise delta"):
         select_span(S_L, S_M, 0.15, 2)
+
+
+def test_the_default_count_is_the_papers_share_and_spans_do_not_touch():
+    assert [Dense2moeConfig().layers_to_prune(tiny_model("llama", num_hidden_layers=n).config)
+            for n in (2, 5, 24, 30)] == [1, 1, 5, 6]
+    assert span_sizes(5, 2) == [3, 2] and span_sizes(4, 4) == [1, 1, 1, 1]
+    # (0, 1) is the first pair within delta 0.3; the next must not touch layers 0-1: (2, 1), at distance 0.05
+    spans = select_spans(S_L, S_M, 0.3, [1, 1])
+    assert [(s.layer, s.n) for s in spans] == [(0, 1), (2, 1)]
+    with pytest.raises(OptionError, match=r"no span of 1 layers is left beside .* \(layers \[1, 2\]\)"):
+        select_spans(S_L, S_M, 0.5, [1, 1])  # (1, 1) first: every other pair touches layer 1 or 2
+
+
+def test_several_spans_each_fused_into_its_own_kept_layer(make_ctx):
+    ctx = make_ctx(five_layers("llama"))
+    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "prune_layers": 2, "spans": 2, "delta": 2.0}))
+    spans = details["selection"]
+    assert len(spans) == 2 and all(s["n"] == 1 for s in spans)
+    kept = [s["layer"] for s in spans]
+    removed = [layer for s in spans for layer in s["removed"]]
+    assert not set(kept) & set(removed) and len(set(removed)) == 2
+    assert ctx.model.config.num_hidden_layers == 3 and len(moe_layers(ctx.model)) == 2
+    assert details["expert_sources"] == [[s["layer"], *s["removed"]] for s in spans]
+    assert [r["index"] for r in details["removed_layers"]] == removed
 
 
 def test_expert_sources_of_each_variant():
@@ -115,8 +140,8 @@ def test_fused_model_generates_with_cache_and_reloads_identically(family, make_c
     ctx = make_ctx(five_layers(family))
     details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "prune_layers": 2, "delta": 2.0}))
     model = ctx.model
-    span = details["selection"]
-    assert model.config.num_hidden_layers == 3 and details["expert_sources"] == [span["layer"], *span["removed"]]
+    [span] = details["selection"]
+    assert model.config.num_hidden_layers == 3 and details["expert_sources"] == [[span["layer"], *span["removed"]]]
     assert [m.self_attn.layer_idx if hasattr(m, "self_attn") else m.attention.layer_idx for m in
             DecoderAdapter(model).layers] == [0, 1, 2]
     prompt = IDS[:1, :6]
@@ -158,9 +183,10 @@ def test_lfuc_experts_are_the_fused_mlps_and_prune_only_has_no_moe(make_ctx):
     dense = five_layers("qwen2")
     ctx = make_ctx(clone(dense))
     details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "num_copies": 2}))
-    l_star, (removed,) = details["selection"]["layer"], details["selection"]["removed"]
+    [selection] = details["selection"]
+    l_star, (removed,) = selection["layer"], selection["removed"]
     layer = moe_layers(ctx.model)[0]
-    assert details["expert_sources"] == [l_star, l_star, removed] and len(layer.experts) == 3
+    assert details["expert_sources"] == [[l_star, l_star, removed]] and len(layer.experts) == 3
     src = DecoderAdapter(dense)
     h = torch.randn(7, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -177,16 +203,22 @@ def test_lfuc_experts_are_the_fused_mlps_and_prune_only_has_no_moe(make_ctx):
 def test_options_fail_with_field_value_and_range():
     with pytest.raises(OptionError, match=r"delta=0.0 is out of range; allowed: \(0.0, 2.0\]"):
         build_config(Dense2moeConfig, {"delta": "0"})
-    with pytest.raises(OptionError, match="top_k=4 must be <= the experts num_copies .* = 3"):
-        build_config(Dense2moeConfig, {"top_k": 4, "num_copies": 2})
+    with pytest.raises(OptionError, match="top_k=4 must be <= the experts of the smallest span, .* = 3"):
+        build_config(Dense2moeConfig, {"top_k": 4, "num_copies": 2}).check(five_layers("llama").config)
     with pytest.raises(OptionError, match="warmup=20 must be <= steps=5"):
         build_config(Dense2moeConfig, {"steps": 5, "warmup": 20})
     assert build_config(Dense2moeConfig, {"steps": 0}).warmup == 10  # "0: none" needs no warm-up change
     with pytest.raises(OptionError, match="variant='x' is not allowed"):
         build_config(Dense2moeConfig, {"variant": "x"})
     config = five_layers("llama").config
-    with pytest.raises(OptionError, match=r"prune_layers=5 must be <= the layers after the first one \(4\)"):
+    with pytest.raises(OptionError, match=r"prune_layers=5 must be <= the layers less one kept layer per span \(4\)"):
         build_config(Dense2moeConfig, {"prune_layers": 5, "top_k": 1}).check(config)
+    with pytest.raises(OptionError, match=r"prune_layers=4 must be <= the layers less one kept layer per span \(3\)"):
+        build_config(Dense2moeConfig, {"prune_layers": 4, "spans": 2}).check(config)
+    with pytest.raises(OptionError, match=r"spans=3 must be <= prune_layers"):
+        build_config(Dense2moeConfig, {"prune_layers": 2, "spans": 3})
+    with pytest.raises(OptionError, match=r"top_k=3 must be <= the experts of the smallest span, .* = 2"):
+        build_config(Dense2moeConfig, {"prune_layers": 3, "spans": 2, "top_k": 3})
     build_config(Dense2moeConfig, {"variant": "prune_only", "top_k": 9}).check(config)  # no MoE: no bound
 
 

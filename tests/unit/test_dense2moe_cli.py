@@ -42,7 +42,8 @@ def test_convert_records_selection_similarity_and_plots(tmp_path):
                  "--set", "warmup=1", "--set", "calib_samples=2"]) == 0
     record = read_record(out)
     details = record["details"]
-    assert details["selection"]["removed"] == [details["selection"]["layer"] + 1]
+    [selection] = details["selection"]
+    assert selection["removed"] == [selection["layer"] + 1]
     assert details["finetune"]["steps"] == 3 and len(details["similarity"]["layer_output"]) == 5
     assert {"layer_output_similarity.png", "mlp_input_similarity.png"} <= {p.name for p in out.iterdir()}
     assert record["active"]["apr"] == pytest.approx(0.8)  # 4 of 5 attentions, top-1 of 2 MLP copies

@@ -7,10 +7,15 @@
    close enough to h^(l) is taken as (l*, n*). The paper writes the condition s(h^(l), h^(l+n)) < delta
    while calling these inputs similar, and introduces it as a distance d(h^(l), h^(l+n)); we read it as
    that distance, d = 1 - s < delta, and require it of every fused layer (k = 1 .. n*: each of their
-   MLPs will be fed h^(l*)), not only of the last. ``prune_layers`` (k of §4.1) restricts the search to
-   n = k, so a number of layers can be asked for directly; ``none`` searches every span, which in
-   practice takes the most similar adjacent pair. delta = 0.3 (the paper gives no value) lets adjacent
-   layers of stories260K qualify (distances 0.12-0.15) and spans of two (0.25-0.29).
+   MLPs will be fed h^(l*)), not only of the last. ``prune_layers`` is k of §4.1, the layers removed in
+   all; by default the paper's share (its main setting prunes the top-5 redundant layers of
+   Qwen2.5-0.5B's 24, with N = 6 experts: one span of 5 fused into its kept layer), rounded: 1 of
+   stories260K's 5 layers, 6 of SmolLM2's 30. ``spans`` splits them into that many separate spans
+   (sizes differing by at most one), each fused into its own kept layer: §4.1's "top-k redundant
+   layers" need not be contiguous, while §2.3 describes one span. They are chosen greedily, largest
+   first, each the first in S_L order that qualifies and shares no layer with those already chosen.
+   delta = 0.3 (the paper gives no value) lets adjacent layers of stories260K qualify (distances
+   0.12-0.15) and spans of two (0.25-0.29).
 3. Pruning and Layer-Fusion Upcycling (Eq. 6): layers l*+1 .. l*+n* are removed entirely, not only their
    attention: §2 "retain the first layer ..., drop all subsequent layers, and retain their MLPs in the
    first layer as experts", and Eq. 6 goes from x^(l*-1) to x^(l*+n*) through MHA^(l*) alone. Their

@@ -32,6 +32,11 @@ class Span:
     def removed(self) -> list[int]:
         return list(range(self.layer + 1, self.layer + self.n + 1))
 
+    @property
+    def layers(self) -> set[int]:
+        """The kept layer and the removed ones: what another span must not touch."""
+        return set(range(self.layer, self.layer + self.n + 1))
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "removed": self.removed}
 
@@ -45,9 +50,14 @@ def rank_spans(s_l: list[list[float]], s_m: list[list[float]], prune_layers: int
     return sorted(spans, key=lambda span: (-span.layer_output_similarity, span.layer, span.n))
 
 
-def select_span(s_l: list[list[float]], s_m: list[list[float]], delta: float, prune_layers: int | None) -> Span:
-    """The first span in S_L order whose fused MLP inputs are all within distance ``delta`` of h^(l*)."""
-    spans = rank_spans(s_l, s_m, prune_layers)
+def select_span(s_l: list[list[float]], s_m: list[list[float]], delta: float, prune_layers: int | None,
+                taken: frozenset[int] = frozenset()) -> Span:
+    """The first span in S_L order whose fused MLP inputs are all within distance ``delta`` of h^(l*) and
+    that touches none of the layers in ``taken``."""
+    spans = [span for span in rank_spans(s_l, s_m, prune_layers) if not span.layers & taken]
+    if not spans:
+        raise OptionError(f"no span of {prune_layers} layers is left beside the spans already chosen (layers "
+                          f"{sorted(taken)}): fewer spans or fewer prune_layers")
     for span in spans:
         if span.mlp_input_distance < delta:
             return span
@@ -55,6 +65,20 @@ def select_span(s_l: list[list[float]], s_m: list[list[float]], delta: float, pr
     raise OptionError(f"delta={delta}: no span{'' if prune_layers is None else f' of {prune_layers} layers'} has "
                       f"every MLP-input distance 1 - s(h) below it; the closest is {closest.mlp_input_distance:.4f} "
                       f"(layer {closest.layer}, n={closest.n}): raise delta above it")
+
+
+def span_sizes(prune_layers: int, spans: int) -> list[int]:
+    """``prune_layers`` removed layers split into ``spans`` spans as evenly as possible, largest first."""
+    return [prune_layers // spans + (i < prune_layers % spans) for i in range(spans)]
+
+
+def select_spans(s_l: list[list[float]], s_m: list[list[float]], delta: float, sizes: list[int]) -> list[Span]:
+    """One span per size, chosen greedily (largest first, each the first in S_L order that qualifies) with
+    no layer in common: the "top-k redundant layers" of §4.1 need not be contiguous. In layer order."""
+    chosen: list[Span] = []
+    for size in sizes:
+        chosen.append(select_span(s_l, s_m, delta, size, frozenset().union(*(span.layers for span in chosen))))
+    return sorted(chosen, key=lambda span: span.layer)
 
 
 def fold_mlp_norm(mlp: MlpWeights, kept: tuple[Tensor, Tensor | None], own: tuple[Tensor, Tensor | None]) -> MlpWeights:
@@ -91,11 +115,18 @@ def expert_sources(span: Span, variant: str, num_copies: int, copies_per_pruned:
     return [span.layer] * num_copies + fused
 
 
-def fuse_layers_(model: nn.Module, span: Span, sources: list[int], top_k: int, seed: int,
+def fuse_layers_(model: nn.Module, spans: list[Span], sources: list[list[int]], top_k: int, seed: int,
                  paper_weighting: bool = False) -> list[dict[str, int]]:
-    """Put the MoE of ``sources`` (if any) in layer l*'s MLP slot, then remove layers l*+1 .. l*+n*
-    entirely; returns the removed layers' records (``moe.depth``). ``paper_weighting``: experts weighted
-    by p_i (§2.1) instead of p_i E / k."""
+    """For each span, put the MoE of its ``sources`` (if any) in layer l*'s MLP slot; then remove every
+    span's layers l*+1 .. l*+n* entirely; returns the removed layers' records (``moe.depth``).
+    ``paper_weighting``: experts weighted by p_i (§2.1) instead of p_i E / k."""
+    for index, (span, span_sources) in enumerate(zip(spans, sources)):
+        _fuse_span_(model, span, span_sources, top_k, seed + index, paper_weighting)
+    return remove_layers(model, sorted(layer for span in spans for layer in span.removed))
+
+
+def _fuse_span_(model: nn.Module, span: Span, sources: list[int], top_k: int, seed: int,
+                paper_weighting: bool) -> None:
     adapter = DecoderAdapter(model)
     if sources:
         kept, kept_norm = adapter.mlp(span.layer), adapter.mlp_norm_affine(span.layer)
@@ -110,4 +141,3 @@ def fuse_layers_(model: nn.Module, span: Span, sources: list[int], top_k: int, s
         down_bias = None if kept.down_bias is None else kept.down_bias.detach().clone()
         layer = MoeMLP(experts, router, None, down_bias, dense_width=kept.intermediate_size)
         adapter.replace_mlp_(span.layer, layer.to(device=kept.up.device, dtype=kept.up.dtype))
-    return remove_layers(model, span.removed)

@@ -6,14 +6,20 @@ from typing import Literal
 
 from transformers import PreTrainedConfig
 
+from moeify.methods.dense2moe.build import span_sizes
 from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+
+PAPER_LAYERS, PAPER_PRUNED = 24, 5  # §4.2: Qwen2.5-0.5B (24 layers), the top-5 redundant layers pruned, N = 6
 
 
 @method_config
 class Dense2moeConfig:
     variant: Literal["lfuc", "prune_upcycle", "prune_only"] = option(
         "lfuc", "lfuc: Layer-Fusion Upcycling; prune_upcycle / prune_only: Table 5's baselines")
-    prune_layers: int | None = option(1, "k = n*: layers to remove after l* (none: search every span)", low=1)
+    prune_layers: int | None = option(None, "k of §4.1: decoder layers to remove in all (default: the paper's share, "
+                                            "5 of Qwen2.5-0.5B's 24 layers, rounded: 1 of 5, 6 of 30)", low=1)
+    spans: int = option(1, "separate spans the removed layers form, each fused into its own kept layer (§4.1's "
+                           "top-k redundant layers need not be contiguous); 1: one span l*+1 .. l*+k (§2.3)", low=1)
     delta: float = option(0.3, "fuse only MLP inputs at cosine distance 1 - s(h^(l*), h^(l*+k)) < delta",
                           low=0.0, high=2.0, low_open=True)
     num_copies: int = option(1, "N: copies of layer l*'s MLP among the experts", low=1)
@@ -38,17 +44,32 @@ class Dense2moeConfig:
         require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
         if self.steps and self.warmup > self.steps:  # steps=0 trains nothing: the warm-up does not apply
             raise OptionError(f"warmup={self.warmup} must be <= steps={self.steps}")
-        experts = self.num_copies + self.copies_per_pruned * (self.prune_layers or 1)
-        if self.variant != "prune_only" and self.top_k > experts:
-            raise OptionError(f"top_k={self.top_k} must be <= the experts num_copies + copies_per_pruned x "
-                              f"prune_layers = {experts}")
+        if self.prune_layers is not None:
+            require_at_most("spans", self.spans, self.prune_layers, "prune_layers (each span removes one or more)")
+            self._check_top_k(self.prune_layers)
 
     def check(self, model_config: PreTrainedConfig) -> None:
         layers = model_config.num_hidden_layers
         if layers < 2:
             raise OptionError(f"dense2moe needs at least 2 decoder layers; the model has {layers}")
-        require_at_most("prune_layers", self.prune_layers, layers - 1, "the layers after the first one")
+        prune = self.layers_to_prune(model_config)
+        require_at_most("prune_layers", prune, layers - self.spans, "the layers less one kept layer per span")
+        require_at_most("spans", self.spans, prune, "prune_layers (each span removes one or more)")
+        self._check_top_k(prune)
         require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
+
+    def layers_to_prune(self, model_config: PreTrainedConfig) -> int:
+        """``prune_layers``, or the paper's share of the model's layers (5 of 24), at least 1."""
+        if self.prune_layers is not None:
+            return self.prune_layers
+        return max(1, round(model_config.num_hidden_layers * PAPER_PRUNED / PAPER_LAYERS))
+
+    def _check_top_k(self, prune_layers: int) -> None:
+        smallest = min(span_sizes(prune_layers, self.spans))
+        experts = self.num_copies + self.copies_per_pruned * smallest
+        if self.variant != "prune_only" and self.top_k > experts:
+            raise OptionError(f"top_k={self.top_k} must be <= the experts of the smallest span, num_copies + "
+                              f"copies_per_pruned x {smallest} removed layers = {experts}")
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(1024, model_config.max_position_embeddings)
