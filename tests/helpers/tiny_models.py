@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
@@ -24,7 +25,7 @@ from transformers import (
     Qwen3Config,
 )
 
-FAMILY_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "phi")
+FAMILY_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt_neox", "phi")
 
 HIDDEN = 64
 INTERMEDIATE = 88
@@ -59,6 +60,12 @@ _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     "mistral": (MistralConfig, {**_GQA, **_GATED}),
     "qwen2": (Qwen2Config, {**_GQA, **_GATED}),  # q/k/v carry biases
     "qwen3": (Qwen3Config, {**_GQA, **_GATED, "head_dim": HIDDEN // HEADS}),  # q_norm/k_norm on head_dim
+    # Gemma-3: GeGLU-tanh, x * (1 + w) norms before and after attention and MLP, q/k norms, scaled and tied
+    # embeddings, sliding (window 8, local RoPE base) and full layers alternating, final logit soft-capping.
+    "gemma3": (Gemma3TextConfig, {**_GQA, "head_dim": HIDDEN // HEADS, "hidden_activation": "gelu_pytorch_tanh",
+                                  "rms_norm_eps": 1e-6, "sliding_window": 8, "sliding_window_pattern": 2,
+                                  "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16,
+                                  "tie_word_embeddings": True}),
     "phi3": (Phi3Config, {**_GQA, **_GATED}),  # fused qkv_proj and gate_up_proj
     # GPT-NeoX: no GQA; biases everywhere; parallel residual; rotary on 25% of each 16-dim head.
     "gpt_neox": (

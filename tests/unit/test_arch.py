@@ -24,7 +24,7 @@ from tests.helpers.tiny_models import FAMILY_NAMES, HIDDEN, INTERMEDIATE, LAYERS
 CASES = [pytest.param(f, {}, id=f) for f in FAMILY_NAMES] + [
     pytest.param("llama", {"mlp_bias": True, "attention_bias": True}, id="llama-biases")
 ]
-GATED = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"}
 TOL = 1e-5
 
 
@@ -96,7 +96,7 @@ def test_mlp_weights_reproduce_module(family: str, overrides: dict) -> None:
         w = adapter.mlp(i)
         assert w.gated == (family in GATED)
         assert (w.hidden_size, w.intermediate_size) == (HIDDEN, INTERMEDIATE)
-        assert w.act == model.config.hidden_act
+        assert w.act == getattr(model.config, adapter.family.act_config_key)
         with torch.no_grad():
             expected = adapter.mlp_module(i)(x)
             got = w.forward(x)

@@ -112,12 +112,14 @@ def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_pat
 
 
 def test_bad_options_are_refused_before_any_work(make_ctx):
-    with pytest.raises(OptionError, match=r"attention='partial' is not allowed; choose one of: on, off"):
+    with pytest.raises(OptionError, match=r"attention='partial' is not allowed; choose one of: auto, on, off"):
         build_config(TomoeConfig, {"attention": "partial"})
     with pytest.raises(OptionError, match=r"active_ratio=0.0 is out of range"):
         build_config(TomoeConfig, {"active_ratio": "0"})
     with pytest.raises(OptionError, match="attention=on is not possible for this model: .*use attention=off"):
-        converted("qwen3", make_ctx)
+        converted("qwen3", make_ctx, attention="on")
+    _, _, details = converted("qwen3", make_ctx)  # auto: the MLP only, and the record says why
+    assert details["attention"] == "off" and "normalises query/key heads" in details["attention_blocked"]
     with pytest.raises(OptionError, match="resume=true needs a work folder"):
         converted("llama", make_ctx, resume=True)
 

@@ -203,12 +203,15 @@ class DecoderAdapter:
         return getattr(self.layer(i), self.family.mlp_norm_attr)
 
     def mlp_norm_affine(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias or None) of that norm's elementwise affine, detached."""
+        """(gamma, bias or None) of that norm's elementwise affine, detached: the effective gamma the
+        normalised input is multiplied by (Gemma's RMSNorm stores w and computes x * (1 + w))."""
         norm = self.mlp_norm_module(i)
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"{self.layers_path}.{i}.{self.family.mlp_norm_attr} has no affine weight")
-        return weight.detach(), None if bias is None else bias.detach()
+        offset = self.family.norm_weight_offset
+        gamma = weight.detach() + offset if offset else weight.detach()
+        return gamma, None if bias is None else bias.detach()
 
     def remove_layers_(self, indices: list[int]) -> None:
         """Delete the decoder layers ``indices`` (a removed layer's attention and MLP go with it) and keep

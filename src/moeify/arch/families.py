@@ -6,7 +6,8 @@ one entry to ``FAMILIES`` after checking the names in ``transformers/models/<fam
 
 The three MLP layouts found in the supported families:
 
-* ``"gated"``: separate ``gate``/``up``/``down`` linears, ``down(act(gate(x)) * up(x))`` (LLaMA, Mistral, Qwen2/3).
+* ``"gated"``: separate ``gate``/``up``/``down`` linears, ``down(act(gate(x)) * up(x))`` (LLaMA, Mistral, Qwen2/3,
+  Gemma-3).
 * ``"fused_gated"``: one ``gate_up`` linear whose output ``chunk(2, -1)`` is ``(gate, up)`` in that order,
   then ``down`` (Phi-3).
 * ``"plain"``: two layers, ``down(act(up(x)))`` (GPT-NeoX ``dense_h_to_4h``/``dense_4h_to_h``, Phi ``fc1``/``fc2``).
@@ -59,6 +60,11 @@ class FamilySpec:
     # decides it per model (GPT-NeoX); ``parallel_residual`` is the answer when there is no such flag.
     parallel_residual: bool = False
     parallel_residual_key: str | None = None
+    # RMSNorm computing x * (norm_weight_offset + w) (Gemma: 1): every reader of a norm's gamma goes
+    # through ``DecoderAdapter.mlp_norm_affine``, which adds it.
+    norm_weight_offset: float = 0.0
+    # What the standard MoE export formats cannot represent in this family (``--check`` lists it).
+    unexportable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Catch an inconsistent spec at import time rather than as an AttributeError deep in a conversion.
@@ -119,6 +125,16 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec(name="mistral", model_types=("mistral",), **_LLAMA_LIKE),
     FamilySpec(name="qwen2", model_types=("qwen2",), **_LLAMA_LIKE),
     FamilySpec(name="qwen3", model_types=("qwen3",), **_LLAMA_LIKE),
+    FamilySpec(
+        name="gemma3",
+        model_types=("gemma3_text",),
+        **{**_LLAMA_LIKE, "mlp_norm_attr": "pre_feedforward_layernorm"},  # MLP norms before and after
+        act_config_key="hidden_activation",  # GeGLU with the tanh approximation
+        norm_weight_offset=1.0,
+        unexportable=("the MLP output has a norm of its own (post_feedforward_layernorm) and the attention "
+                      "one too (post_attention_layernorm); the formats add both to the residual unnormed",
+                      "embeddings are scaled by sqrt(hidden_size); the formats do not scale them"),
+    ),
     FamilySpec(
         name="phi3",
         model_types=("phi3",),

@@ -87,6 +87,7 @@ def _source(model: PreTrainedModel) -> tuple[Source, dict[str, torch.Tensor], li
         reasons.append("attention heads have a pruned head dimension (ToMoE, static_prune: query/key narrower than "
                        "value/output, value/output dimensions chosen per token); the formats keep one head_dim for "
                        "q, k and v: convert with attention=off to export")
+    reasons += list(adapter.family.unexportable)
     if adapter.uses_parallel_residual():
         reasons.append("attention and MLP read the same input (parallel residual); the formats chain them")
     if (window := _sliding_window(model.config)) is not None:
@@ -245,9 +246,9 @@ def _compare_mlps(source: PreTrainedModel, target: PreTrainedModel, parts: list[
         for module in theirs.modules():  # grouped_mm has no float64 kernel; eager computes the same function
             if getattr(module, "config", None) is not None:
                 module.config._experts_implementation = "eager"
-        gamma = getattr(adapter.mlp_norm_module(part.index), "weight", None)
+        gamma, _ = adapter.mlp_norm_affine(part.index)
         x = torch.randn(1, MLP_PROBE_TOKENS, part.shared.up.shape[1], generator=generator, dtype=torch.float64)
-        x = (x if gamma is None else x * gamma.detach().double().cpu()).to(device)
+        x = (x * gamma.double().cpu()).to(device)
         expected, got = mine(x), theirs(x)
         got = got[0] if isinstance(got, tuple) else got
         gap, scale = max(gap, float((got - expected).abs().max())), max(scale, float(expected.abs().max()))

@@ -140,8 +140,8 @@ def _module_part(expert: nn.Module, what: str) -> GatedMlp:
 
 
 def _input_bound(adapter: DecoderAdapter, i: int, hidden: int) -> float:
-    gamma = getattr(adapter.mlp_norm_module(i), "weight", None)
-    scale = 1.0 if gamma is None else float(gamma.detach().abs().max())
+    gamma, _ = adapter.mlp_norm_affine(i)
+    scale = float(gamma.abs().max())
     return hidden ** 0.5 * scale
 
 

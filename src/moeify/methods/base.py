@@ -57,7 +57,10 @@ class Method:
     are not router options (name -> setter(model, value) returning the function that undoes it).
     ``model_analysis(model, batches, device, progress)``: an analysis of a dense model on its own
     (``moeify analyze``): record entries and files. ``paper_ratio``: how the method's paper counts its
-    activated ratio (a key of ``moe.accounting.PAPER_RATIOS``), recorded beside the APR."""
+    activated ratio (a key of ``moe.accounting.PAPER_RATIOS``), recorded beside the APR. ``partitions_mlp``:
+    the method's MoE layers split the dense MLP's neurons among the shared part and the experts, so every
+    expert on with unit weight (``MoeMLP.forward_all_experts``) reproduces the dense MLP (before any
+    training): the identity the method x family tests pin."""
 
     name: str
     paper: str
@@ -70,6 +73,7 @@ class Method:
     runtime_options: Mapping[str, RuntimeOption] = field(default_factory=dict)
     model_analysis: ModelAnalysis | None = None
     paper_ratio: str = "apr"
+    partitions_mlp: bool = False
 
     def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
         """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load

@@ -8,7 +8,8 @@ through the output head ``CHUNK_TOKENS`` tokens at a time, each chunk under acti
 the same loss, up to float32 summation order.
 
 The losses read the final hidden states from the model's base model and apply its output embedding, as
-every causal-LM family moeify supports computes its logits (no logit scaling or soft-capping).
+every causal-LM family moeify supports computes its logits, with the final soft-capping
+(``config.final_logit_softcapping``: cap * tanh(logits / cap)) of the families that have one (Gemma-2/3).
 """
 
 from __future__ import annotations
@@ -33,8 +34,23 @@ def final_hidden_states(model: nn.Module, batch: Tensor) -> Tensor:
     return _causal_lm(model).base_model(input_ids=batch, use_cache=False).last_hidden_state
 
 
+class _SoftCapped(nn.Module):
+    """``head`` followed by the logit soft-capping cap * tanh(logits / cap)."""
+
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+
 def output_head(model: nn.Module) -> nn.Module:
-    return _causal_lm(model).get_output_embeddings()
+    """The module that turns final hidden states into the model's logits."""
+    causal = _causal_lm(model)
+    head = causal.get_output_embeddings()
+    cap = getattr(causal.config, "final_logit_softcapping", None)
+    return _SoftCapped(head, cap) if cap else head
 
 
 def _chunk_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:

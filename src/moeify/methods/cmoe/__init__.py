@@ -45,6 +45,7 @@ CMOE = Method(
     convert=convert,
     match_budget=match_budget,
     paper_ratio="ffn",
+    partitions_mlp=True,
 )
 
 __all__ = ["CMOE", "CmoeConfig"]

@@ -50,6 +50,7 @@ DSMOE = Method(
     analyze=analyze,
     unmatched="its sparsity is learned (threshold tau), not set by a budget",
     paper_ratio="model",
+    partitions_mlp=True,
 )
 
 __all__ = ["DSMOE", "DsmoeConfig"]

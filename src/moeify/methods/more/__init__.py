@@ -45,6 +45,7 @@ MORE = Method(
     config_cls=MoreConfig,
     convert=convert,
     match_budget=match_budget,
+    partitions_mlp=True,
 )
 
 __all__ = ["MORE", "MoreConfig"]

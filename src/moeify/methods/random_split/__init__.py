@@ -26,6 +26,7 @@ RANDOM_SPLIT = Method(
     convert=convert,
     match_budget=match_budget,
     paper_ratio="ffn",
+    partitions_mlp=True,
 )
 
 __all__ = ["RANDOM_SPLIT", "RandomSplitConfig"]

@@ -29,7 +29,8 @@ Choices where the paper is open:
   training masks reach p = 0.5 after about 200 steps and the KD loss levels off by the end (curves in the
   record and the PNG); held-out perplexity at p = 0.5: 50.8 (lr 5e-3 for 150 steps: 46.4).
 - attention=on needs LLaMA-style attention (``moe.head_dim``: LLaMA, Mistral, Qwen2); other families
-  run with attention=off (MLP experts only, the paper's "w/o VO routing" ablation is the nearest).
+  run with attention=off (MLP experts only, the paper's "w/o VO routing" ablation is the nearest). The
+  default, auto, takes on where the model allows it and off elsewhere, and records which (and why).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,15 +45,19 @@ CURVES_PNG = "tomoe_training.png"
 
 def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
     require_work_dir_for_resume(cfg.resume, ctx.work_dir)
-    if cfg.attention == "on" and (reason := head_dim_support(ctx.adapter.attention_module(0))):
-        raise OptionError(f"attention=on is not possible for this model: {reason}; use attention=off")
+    blocker = head_dim_support(ctx.adapter.attention_module(0))
+    if cfg.attention == "on" and blocker:
+        raise OptionError(f"attention=on is not possible for this model: {blocker}; use attention=off")
+    if cfg.attention == "auto":
+        cfg = replace(cfg, attention="off" if blocker else "on")
     seq_len = cfg.effective_seq_len(ctx.model.config)
     with learned_masks(ctx, cfg, seq_len) as (theta, masked, log):
         structure = convert_(ctx, theta, masked, cfg, seq_len)
     curves = {name: log["curves"][key] for name, key in (("KD loss", "kd"), ("R_P", "r_p"), ("R_U", "r_u"),
                                                           ("R_L", "r_l"), ("T / T_total", "ratio"))}
     ctx.artifacts[CURVES_PNG] = training_curves(curves, title=f"ToMoE training (p = {cfg.active_ratio})")
-    return {**structure, "train_seq_len": seq_len, "training": log, "curves_png": CURVES_PNG}
+    return {**structure, "attention": cfg.attention, "attention_blocked": blocker, "train_seq_len": seq_len,
+            "training": log, "curves_png": CURVES_PNG}
 
 
 def widened_experts(logits: Tensor, threshold: float = 0.0) -> list[Tensor]:
