@@ -14,7 +14,10 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
+    GraniteConfig,
+    Olmo2Config,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
@@ -25,7 +28,10 @@ from transformers import (
     Qwen3Config,
 )
 
-FAMILY_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt_neox", "phi")
+FAMILY_NAMES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3",
+                                 "gpt_neox", "phi")
+# Configs of a supported family that exercise something more (tiny_model takes these names too).
+VARIANT_NAMES: tuple[str, ...] = ("llama3",)
 
 HIDDEN = 64
 INTERMEDIATE = 88
@@ -66,6 +72,20 @@ _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
                                   "rms_norm_eps": 1e-6, "sliding_window": 8, "sliding_window_pattern": 2,
                                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16,
                                   "tie_word_embeddings": True}),
+    # Gemma-2: Gemma-3's norms and GeGLU, no q/k norms, attention and final logit soft-capping.
+    "gemma2": (Gemma2Config, {**_GQA, "head_dim": HIDDEN // HEADS, "hidden_activation": "gelu_pytorch_tanh",
+                              "rms_norm_eps": 1e-6, "sliding_window": 8, "attn_logit_softcapping": 20.0,
+                              "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16,
+                              "tie_word_embeddings": True}),
+    # OLMo-2: post-norm (attention and MLP outputs normalised, inputs not), q/k norms over all heads.
+    "olmo2": (Olmo2Config, {**_GQA, **_GATED}),
+    # Granite: LLaMA with embedding, attention, residual and logit multipliers.
+    "granite": (GraniteConfig, {**_GQA, **_GATED, "embedding_multiplier": 2.0, "attention_multiplier": 0.2,
+                                "residual_multiplier": 0.5, "logits_scaling": 4.0}),
+    # Llama-3.x: the llama family with llama3 RoPE scaling.
+    "llama3": (LlamaConfig, {**_GQA, **_GATED, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
     "phi3": (Phi3Config, {**_GQA, **_GATED}),  # fused qkv_proj and gate_up_proj
     # GPT-NeoX: no GQA; biases everywhere; parallel residual; rotary on 25% of each 16-dim head.
     "gpt_neox": (
@@ -83,7 +103,7 @@ _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 def tiny_config(family: str, **overrides: Any):
     """The config ``tiny_model`` builds from; ``overrides`` replace or add config fields."""
     if family not in _CONFIGS:
-        raise KeyError(f"no tiny config for {family!r}; known: {', '.join(FAMILY_NAMES)}")
+        raise KeyError(f"no tiny config for {family!r}; known: {', '.join(_CONFIGS)}")
     cls, extra = _CONFIGS[family]
     return cls(**{**_COMMON, **extra, **overrides})
 
@@ -104,11 +124,12 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A tiny fp32 causal LM of ``family`` in eval mode, deterministic in ``seed``.
 
     ``overrides`` are config fields, e.g. ``tiny_model("llama", mlp_bias=True)`` for a gated MLP with biases.
-    Eager attention keeps the numerics simple and identical across torch builds.
+    Attention runs through SDPA, eager where the family soft-caps attention scores (SDPA cannot).
     """
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        attention = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"  # sdpa cannot cap
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         _randomise_biases_and_norms_(model)
     return model.to(torch.float32).eval()

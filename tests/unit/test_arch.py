@@ -24,7 +24,7 @@ from tests.helpers.tiny_models import FAMILY_NAMES, HIDDEN, INTERMEDIATE, LAYERS
 CASES = [pytest.param(f, {}, id=f) for f in FAMILY_NAMES] + [
     pytest.param("llama", {"mlp_bias": True, "attention_bias": True}, id="llama-biases")
 ]
-GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"}
+GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3"}
 TOL = 1e-5
 
 
@@ -72,8 +72,9 @@ def test_family_for_and_layout(family: str) -> None:
         assert adapter.layer(i) is adapter.layers[i]
         assert adapter.mlp_path(i) == f"{adapter.layers_path}.{i}.mlp"
         assert model.get_submodule(adapter.mlp_path(i)) is adapter.mlp_module(i)
-        # The norm named as feeding the MLP exists in the layer.
-        assert isinstance(getattr(adapter.layer(i), adapter.family.mlp_norm_attr), nn.Module)
+        # The norm named as feeding the MLP exists in the layer (OLMo-2, post-norm: the MLP reads h itself).
+        if adapter.family.mlp_norm_attr is not None:
+            assert isinstance(getattr(adapter.layer(i), adapter.family.mlp_norm_attr), nn.Module)
     with pytest.raises(IndexError):
         adapter.layer(LAYERS)
     assert adapter.uses_parallel_residual() == (family in {"gpt_neox", "phi"})

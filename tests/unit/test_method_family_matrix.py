@@ -15,7 +15,7 @@ from moeify.methods import METHODS, Method
 from moeify.moe.accounting import moe_layers
 from moeify.options import build_config
 from tests.helpers.conversion import FAST, clone, conversion_context
-from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
+from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, VARIANT_NAMES, tiny_model
 
 IDS = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(11))
 # Untrained, so that "every expert on" can be compared with the dense MLP (DSMoE: steps=0 is the dense model
@@ -40,7 +40,7 @@ def converted(method: Method, family: str, tokenizer, calib_text, options: dict)
     return dense, model.eval()
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + VARIANT_NAMES)
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
 def test_method_on_family(method, family, tokenizer, calib_text, tmp_path):
     dense, model = converted(method, family, tokenizer, calib_text, REACHABLE.get(method.name, {}))
@@ -54,7 +54,7 @@ def test_method_on_family(method, family, tokenizer, calib_text, tmp_path):
         torch.testing.assert_close(moeify.load(folder)(IDS).logits, logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + VARIANT_NAMES)
 @pytest.mark.parametrize("method", [m for m in METHODS if m.partitions_mlp], ids=lambda m: m.name)
 def test_every_expert_on_reproduces_the_dense_mlp(method, family, tokenizer, calib_text):
     dense, model = converted(method, family, tokenizer, calib_text, UNTRAINED.get(method.name, {}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.tiny_models import FAMILY_NAMES, tiny_model
+from tests.helpers.tiny_models import FAMILY_NAMES, VARIANT_NAMES, tiny_model
 
 SEQ = 32
 WINDOW = 8  # shorter than SEQ: a layer replayed with another layer's mask computes something else
@@ -20,7 +20,7 @@ SLIDING: dict[str, dict] = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + VARIANT_NAMES)
 def test_layer_streaming_equals_the_models_forward(family):
     from moeify.arch import DecoderAdapter
     from moeify.calibration.stream import stream_layers

@@ -199,12 +199,21 @@ class DecoderAdapter:
 
     def mlp_norm_module(self, i: int) -> nn.Module:
         """The norm in front of layer ``i``'s MLP (in parallel-residual families, the norm the attention
-        shares). Its input is the residual-stream vector the MLP branch reads (h of Dense2MoE Eq. 3)."""
+        shares). Its input is the residual-stream vector the MLP branch reads (h of Dense2MoE Eq. 3). An
+        ``nn.Identity`` where there is none (OLMo-2 normalises the MLP's output instead)."""
+        if self.family.mlp_norm_attr is None:
+            return nn.Identity()
         return getattr(self.layer(i), self.family.mlp_norm_attr)
+
+    def mlp_input_module(self, i: int) -> nn.Module:
+        """The first module of layer ``i`` that reads h: its MLP norm, or the MLP where there is none."""
+        return self.mlp_module(i) if self.family.mlp_norm_attr is None else self.mlp_norm_module(i)
 
     def mlp_norm_affine(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(gamma, bias or None) of that norm's elementwise affine, detached: the effective gamma the
         normalised input is multiplied by (Gemma's RMSNorm stores w and computes x * (1 + w))."""
+        if self.family.mlp_norm_attr is None:
+            return torch.ones(self.config.hidden_size), None
         norm = self.mlp_norm_module(i)
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
         if not isinstance(weight, torch.Tensor):

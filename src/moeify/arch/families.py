@@ -41,7 +41,7 @@ class FamilySpec:
     layers_path: str
     mlp_attr: str
     attn_attr: str
-    mlp_norm_attr: str
+    mlp_norm_attr: str | None  # None: the MLP reads the residual stream unnormed (OLMo-2)
     mlp_kind: MlpKind
     down_proj: str
     up_proj: str | None = None
@@ -120,6 +120,12 @@ _LLAMA_LIKE = dict(
     act_attr="act_fn",
 )
 
+_GEMMA_UNEXPORTABLE = (
+    "the MLP output has a norm of its own (post_feedforward_layernorm) and the attention one too "
+    "(post_attention_layernorm); the formats add both to the residual unnormed",
+    "embeddings are scaled by sqrt(hidden_size); the formats do not scale them",
+)
+
 FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec(name="llama", model_types=("llama",), **_LLAMA_LIKE),
     FamilySpec(name="mistral", model_types=("mistral",), **_LLAMA_LIKE),
@@ -131,9 +137,29 @@ FAMILIES: tuple[FamilySpec, ...] = (
         **{**_LLAMA_LIKE, "mlp_norm_attr": "pre_feedforward_layernorm"},  # MLP norms before and after
         act_config_key="hidden_activation",  # GeGLU with the tanh approximation
         norm_weight_offset=1.0,
-        unexportable=("the MLP output has a norm of its own (post_feedforward_layernorm) and the attention "
-                      "one too (post_attention_layernorm); the formats add both to the residual unnormed",
-                      "embeddings are scaled by sqrt(hidden_size); the formats do not scale them"),
+        unexportable=_GEMMA_UNEXPORTABLE,
+    ),
+    FamilySpec(
+        name="gemma2",
+        model_types=("gemma2",),
+        **{**_LLAMA_LIKE, "mlp_norm_attr": "pre_feedforward_layernorm"},
+        act_config_key="hidden_activation",
+        norm_weight_offset=1.0,
+        unexportable=_GEMMA_UNEXPORTABLE + ("attention scores and logits are soft-capped; the formats do not cap",),
+    ),
+    FamilySpec(
+        name="olmo2",
+        model_types=("olmo2",),
+        **{**_LLAMA_LIKE, "mlp_norm_attr": None},  # post-norm: the norms act on the attention/MLP outputs
+        unexportable=("the attention and MLP outputs are normalised before the residual add (post-norm); the "
+                      "formats normalise their inputs",),
+    ),
+    FamilySpec(
+        name="granite",
+        model_types=("granite",),
+        **_LLAMA_LIKE,
+        unexportable=("embeddings, attention scores, residual branches and logits are scaled by the config's "
+                      "multipliers; the formats have no such factors",),
     ),
     FamilySpec(
         name="phi3",

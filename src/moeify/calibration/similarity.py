@@ -69,7 +69,7 @@ def layer_similarity(model: PreTrainedModel, batches: Tensor, *, device: torch.d
     steps = stream_layers(model, adapter, batches, device=device, batch_size=batch_size)
     for step in tqdm(steps, total=adapter.num_layers, desc="layer similarity", disable=not progress):
         seen: list[Tensor] = []
-        with capture_inputs(adapter.mlp_norm_module(step.index), seen.append):
+        with capture_inputs(adapter.mlp_input_module(step.index), seen.append):
             outputs.append(unit_rows(step.run()))  # x^(l)
         mlp_inputs.append(unit_rows(seen))  # h^(l)
     return LayerSimilarity(layer_output=mean_cosine_matrix(outputs).tolist(),

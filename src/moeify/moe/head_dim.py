@@ -22,6 +22,10 @@ def head_dim_support(attn: nn.Module) -> str | None:
         return f"{type(attn).__name__} has no separate q_proj/k_proj/v_proj/o_proj projections"
     if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
         return f"{type(attn).__name__} normalises query/key heads over the full head dimension"
+    if getattr(attn.config, "attn_logit_softcapping", None):
+        return f"{type(attn).__name__} soft-caps its attention scores"
+    if abs(getattr(attn, "scaling", attn.head_dim ** -0.5) - attn.head_dim ** -0.5) > 1e-9:
+        return f"{type(attn).__name__} scales its scores by {attn.scaling:g}, not 1/sqrt(head_dim)"
     rope = getattr(attn.config, "rope_parameters", None) or {}
     if float(rope.get("partial_rotary_factor", getattr(attn.config, "partial_rotary_factor", 1.0))) != 1.0:
         return f"{type(attn).__name__} rotates only part of each head (partial_rotary_factor != 1)"

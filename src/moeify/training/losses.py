@@ -8,8 +8,9 @@ through the output head ``CHUNK_TOKENS`` tokens at a time, each chunk under acti
 the same loss, up to float32 summation order.
 
 The losses read the final hidden states from the model's base model and apply its output embedding, as
-every causal-LM family moeify supports computes its logits, with the final soft-capping
-(``config.final_logit_softcapping``: cap * tanh(logits / cap)) of the families that have one (Gemma-2/3).
+every causal-LM family moeify supports computes its logits, with the transforms some families apply
+after the head: Granite's division by ``config.logits_scaling`` and Gemma-2/3's soft-capping
+(``config.final_logit_softcapping``: cap * tanh(logits / cap)).
 """
 
 from __future__ import annotations
@@ -34,23 +35,25 @@ def final_hidden_states(model: nn.Module, batch: Tensor) -> Tensor:
     return _causal_lm(model).base_model(input_ids=batch, use_cache=False).last_hidden_state
 
 
-class _SoftCapped(nn.Module):
-    """``head`` followed by the logit soft-capping cap * tanh(logits / cap)."""
+class _TransformedHead(nn.Module):
+    """``head``, then the division by ``scaling`` and the soft-capping cap * tanh(logits / cap) (if any)."""
 
-    def __init__(self, head: nn.Module, cap: float) -> None:
+    def __init__(self, head: nn.Module, scaling: float, cap: float | None) -> None:
         super().__init__()
-        self.head, self.cap = head, cap
+        self.head, self.scaling, self.cap = head, scaling, cap
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+        logits = self.head(hidden) / self.scaling
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
 
 
 def output_head(model: nn.Module) -> nn.Module:
     """The module that turns final hidden states into the model's logits."""
     causal = _causal_lm(model)
     head = causal.get_output_embeddings()
-    cap = getattr(causal.config, "final_logit_softcapping", None)
-    return _SoftCapped(head, cap) if cap else head
+    scaling = getattr(causal.config, "logits_scaling", 1.0) or 1.0
+    cap = getattr(causal.config, "final_logit_softcapping", None) or None
+    return head if scaling == 1.0 and cap is None else _TransformedHead(head, scaling, cap)
 
 
 def _chunk_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
