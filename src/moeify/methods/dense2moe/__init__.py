@@ -44,6 +44,10 @@
      ``prune_only``), the removed MLP reading l*'s normed input without folding its own norm (8.85), the
      paper's weight p_i without E / k (worse for both MoE variants: ``lfuc`` 8.90, ``prune_upcycle`` 9.06).
      The learning rate decides the order (``dense2moe_train``); top-2 is decisive (8.07 against 8.93);
+   - a norm after the MLP (Gemma-2/3's post_feedforward_layernorm; OLMo-2, which has no norm before it)
+     stays the kept layer's: the MoE's output passes it, and a removed layer's own post-MLP norm is not
+     carried over (an RMSNorm of an output cannot be folded into weights), so that expert approximates
+     MLP^(l*+k) there; the norm before the MLP is folded exactly, as its effective gamma (1 + w for Gemma);
    - an output bias (GPT-NeoX, Phi) cannot be routed per expert in ``ExpertMLP``: the layer keeps l*'s,
      added once; the removed layers' output biases are dropped (the fine-tuning re-learns the offset).
    Activated parameters count the top-k experts (each a whole MLP) and no attention for the removed
