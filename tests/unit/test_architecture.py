@@ -112,3 +112,28 @@ def test_import_moeify_stays_light():
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_base_install_has_every_package_moeify_imports():
+    """``pip install moeify`` (no extras) must run every command: each third-party package the source imports
+    is a base dependency in pyproject.toml, except lm-eval (the ``eval`` extra), imported only by the
+    harness bridge, which names the extra when it is missing."""
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
+    distributions = packages_distributions()
+    imported: dict[str, set[str]] = {}
+    for path in (ROOT / "src" / "moeify").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "moeify":
+                    imported.setdefault(top, set()).add(path.relative_to(ROOT / "src").as_posix())
+    missing = {top: sorted(paths) for top, paths in imported.items()
+               if not {d.lower() for d in distributions.get(top, [top])} & base}
+    assert missing == {"lm_eval": ["moeify/evaluation/harness.py"]}
+    assert "lm-eval" in " ".join(project["optional-dependencies"]["eval"])
