@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Convert MODEL (a local folder or hub name; default: the embedded stories260K) with a "
                     "method, measure the dense and the MoE model on held-out text in the same run, and write "
                     "a loadable model folder with record.json into --out (atomically). Methods that train keep "
-                    "resumable checkpoints in <out>.work beside it (removed once the model is saved).")
+                    "resumable checkpoints in <out>.work beside it (removed once the model is saved). "
+                    "Data-parallel training: torchrun --nproc_per_node N -m moeify convert ... (batch_size stays "
+                    "the global batch, so the result does not depend on N; gloo on CPU, NCCL on GPUs).")
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--method", required=True, help="conversion method (see `moeify methods`)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
@@ -41,14 +44,19 @@ def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.files import check_output_dir, output_lock
     from moeify.options import parse_assignments
+    from moeify.training.distributed import init_from_env, is_main
 
     options = parse_assignments(args.set)
     check_output_dir(args.out, args.overwrite)
+    init_from_env(args.device)  # under torchrun: every process converts, the training shares each batch
     work_dir = args.out.with_name(args.out.name + ".work")
-    with output_lock(args.out):  # a second convert into the same --out is refused, naming this one
+    # a second convert into the same --out is refused, naming this one; under torchrun the main process holds it
+    with output_lock(args.out) if is_main() else contextlib.nullcontext():
         result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
                                 seed=args.seed, device=args.device, dtype=args.dtype, eval_seq_len=args.seq_len,
-                                measure_speed=not args.no_speed, progress=True, work_dir=work_dir)
+                                measure_speed=not args.no_speed, progress=is_main(), work_dir=work_dir)
+        if not is_main():
+            return 0  # the main process writes and reports
         for warning in result.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         out = moeify.save(result, args.out, overwrite=args.overwrite)

@@ -2,9 +2,11 @@
 
 Each optimizer step draws ``batch_size`` windows of ``seq_len`` tokens from the training stream (random
 windows drawn with replacement, or, with ``epoch_samples``, the next ones of a fixed shuffled set of
-disjoint windows: one pass over them, as CMoE's fine-tune does) and splits them into ``grad_accum`` micro-batches whose gradients add up (each micro-batch loss is
-divided by ``grad_accum``, so a step equals one step on the whole batch, and the batches do not depend
-on ``grad_accum``: it trades memory for time only); then the optimizer steps and
+disjoint windows: one pass over them, as CMoE's fine-tune does) and splits them into ``grad_accum``
+micro-batches whose gradients add up (each micro-batch loss is weighted by its share of the windows, so
+a step equals one step on the whole batch, and the batches do not depend on ``grad_accum``: it trades
+memory for time only). Under torchrun the batch is first shared among the processes and their gradients
+summed (``distributed.py``); the result does not depend on the process count. Then the optimizer steps and
 ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
 the total to minimise under ``"loss"`` and any parts to log).
 
@@ -33,6 +35,7 @@ from tqdm.auto import tqdm
 
 from moeify.training.allocator import fix_mmap_threshold
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from moeify.training.distributed import all_reduce_gradients_, all_reduce_sum_, barrier, is_main, rank, world_size
 from moeify.training.losses import lm_loss
 from moeify.training.recompute import recomputed_layers
 
@@ -180,15 +183,26 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
 
 def _gradients(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor, grad_accum: int,
                loss_fn: LossFn, device: torch.device) -> dict[str, float]:
-    """One step's gradients, accumulated over ``grad_accum`` micro-batches; returns the loss parts."""
+    """One step's gradients: this process's share of ``batch``, in ``grad_accum`` micro-batches, each loss
+    weighted by its share of the whole batch's windows, then summed over the processes; returns the loss
+    parts (of the whole batch)."""
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    for micro in batch.chunk(grad_accum):
+    share = batch.tensor_split(world_size())[rank()]
+    names: list[str] = []
+    values: list[Tensor] = []
+    for micro in (m for m in share.tensor_split(grad_accum) if len(m)):
+        weight = len(micro) / len(batch)
         parts = loss_fn(model, micro.to(device))
-        (parts["loss"] / grad_accum).backward()
-        for name, value in parts.items():
-            sums[name] = sums.get(name, 0.0) + float(value.detach()) / grad_accum
-    return sums
+        (parts["loss"] * weight).backward()
+        if not names:
+            names = list(parts)
+            values = [torch.zeros((), dtype=torch.float64) for _ in names]
+        for i, name in enumerate(names):
+            values[i] += float(parts[name].detach()) * weight
+    all_reduce_gradients_(model)
+    totals = torch.stack(values)
+    all_reduce_sum_([totals])
+    return {name: float(value) for name, value in zip(names, totals)}
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, plan: TrainPlan, *, seed: int,
@@ -200,6 +214,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     ``network``: the causal LM whose decoder layers ``plan.recompute`` checkpoints, when ``model`` is not
     it (ToMoE trains its own modules; an adapter wrapper hides the layers)."""
     fix_mmap_threshold()  # freed activations go back to the system instead of fragmenting the heap
+    smallest = plan.epoch_samples - (plan.steps - 1) * plan.batch_size if plan.epoch_samples else plan.batch_size
+    if smallest < world_size():
+        raise ValueError(f"a step of {smallest} windows cannot be shared among {world_size()} processes: "
+                         "use fewer processes or a larger batch_size")
     generator = torch.Generator().manual_seed(seed)
     start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
     log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
@@ -208,7 +226,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     model.train()
     try:
         with recomputed_layers(model if network is None else network, plan.recompute):
-            bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc, disable=not progress)
+            bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
+                       disable=not progress or not is_main())
             for step in bar:
                 if plan.epoch_samples:
                     batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
@@ -225,8 +244,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                 done = step + 1
                 if checkpointing is not None and (done == plan.steps or
                                                   (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
-                    save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
-                                    checkpointing.fingerprint)
+                    if is_main():  # every process holds the same state: one writes it
+                        save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
+                                        checkpointing.fingerprint)
+                    barrier()
     finally:
         model.eval()
         log.seconds = time.perf_counter() - began

@@ -15,13 +15,15 @@ from moeify.methods.base import ConversionContext
 from moeify.methods.cmoe.config import CmoeConfig
 from moeify.moe.accounting import moe_layers, tracking_routing
 from moeify.training.lora import lora_finetune
+from moeify.training.distributed import all_reduce_sum_
 
 
 def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str, Any]:
     layers = moe_layers(ctx.model)
     scales = [layer.router.u for layer in layers]
 
-    def balance() -> None:  # Eq. 33, from the tokens each expert received in this step
+    def balance() -> None:  # Eq. 33, from the tokens each expert received in this step (in every process)
+        all_reduce_sum_(layer.stats_expert_tokens for layer in layers)
         for layer in layers:
             layer.router.update_bias(layer.stats_expert_tokens)
             layer.reset_stats()

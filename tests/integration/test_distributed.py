@@ -1,0 +1,48 @@
+"""Data-parallel training under torchrun (2 processes, gloo on this CPU) ends with the weights of one
+process on the same global batch and seed, within 1e-5; only the main process writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow  # two conversions with training per method (~15 s each)
+
+# A checkpoint every 2 steps: only the main process writes it, and both continue.
+RUNS = {
+    "dsmoe": ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "analyses=false"],
+    "dense2moe": ["steps=3", "warmup=1", "batch_size=4", "seq_len=64", "checkpoint_every=2", "calib_samples=2"],
+    "cmoe": ["spec=S1A1E8", "finetune_samples=8", "finetune_batch_size=4", "finetune_seq_len=64", "calib_samples=2"],
+}
+
+
+def convert(method: str, out, processes: int) -> None:
+    launcher = [] if processes == 1 else [shutil.which("torchrun") or "torchrun", "--nproc_per_node",
+                                          str(processes)]
+    python = [] if launcher else [sys.executable]
+    options = [arg for option in RUNS[method] for arg in ("--set", option)]
+    command = [*launcher, *python, "-m", "moeify", "convert", "--method", method, "--out", str(out), "--no-speed",
+               *options]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+@pytest.mark.parametrize("method", list(RUNS))
+def test_two_processes_train_to_the_weights_of_one(method, tmp_path):
+    convert(method, tmp_path / "one", 1)
+    convert(method, tmp_path / "two", 2)
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert one.keys() == two.keys()
+    gap = max(float((one[k].double() - two[k].double()).abs().max()) for k in one)
+    assert gap <= 1e-5, gap
+    records = [json.loads((tmp_path / name / "record.json").read_text()) for name in ("one", "two")]
+    assert records[0]["metrics"]["ppl"] == pytest.approx(records[1]["metrics"]["ppl"], rel=1e-5)
+    assert not (tmp_path / "two.work").exists() and not (tmp_path / "two.lock").exists()
+    assert torch.isfinite(torch.tensor(records[1]["metrics"]["ppl"]))
