@@ -90,15 +90,15 @@ def _eval_file(chars: int, folder: Path) -> Path:
     return path
 
 
-def _options(method: str, options: dict[str, Any], model: Any) -> tuple[dict[str, Any], str]:
-    """The options to convert with, and how they were chosen."""
+def _attempts(method: str, options: dict[str, Any], model: Any) -> tuple[list[dict[str, Any]], str]:
+    """The options to convert with, in the order to try them (``moeify compare``'s), and how they were chosen."""
     if "apr" not in options:
-        return options, "given"
+        return [options], "given"
     from moeify.arch import DecoderAdapter
     from moeify.methods import get_method
 
     tries, how = get_method(method).match_budget(options["apr"], DecoderAdapter(model))
-    return tries[0], f"matched to APR {options['apr']}: {how}"
+    return tries, f"matched to APR {options['apr']}: {how}"
 
 
 def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
@@ -118,12 +118,20 @@ def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"row": name, "method": method or "dense", "asked": asked}
     convert_s = 0.0
     if method is not None:
-        options, how = _options(method, asked, model)
+        attempts, how = _attempts(method, asked, model)
         spec = get_method(method)
-        config = build_config(spec.config_cls, options)
-        ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=False)
-        start = time.perf_counter()
-        details = spec.run(ctx, config)
+        for options in attempts:  # as compare does: the next try when a budget is out of reach
+            config = build_config(spec.config_cls, options)
+            ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=False)
+            start = time.perf_counter()
+            try:
+                details = spec.run(ctx, config)
+            except ValueError:
+                if options is attempts[-1]:
+                    raise
+                model, tokenizer = load_model(str(MODEL))  # the failed try may have changed it
+                continue
+            break
         convert_s = time.perf_counter() - start
         model = ctx.model.eval()
         nominal = nominal_activated_parameters(model)
