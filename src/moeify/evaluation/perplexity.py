@@ -11,6 +11,10 @@ record of a jsonl/json file) is tokenized on its own with its BOS, and the docum
 ``sliding``: windows of ``seq_len`` tokens that advance by ``stride``; every token is scored once, by
 the first window in which it is not the first token, with up to ``seq_len - 1`` tokens of context (the
 Hugging Face "perplexity of fixed-length models" recipe).
+
+The logits are computed ``LOGIT_CHUNK`` scored positions at a time from the final hidden states
+(``arch.head``: the model's own output head and logit transforms), so a batch of 8 x 2048 tokens of a
+49,152-word vocabulary never holds its 3.2 GB of float32 logits at once.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from moeify.arch.head import final_hidden_states, output_head
 from moeify.calibration.data import TextSource, token_stream
 
 Protocol = Literal["windows", "bos-per-doc", "sliding"]
 PROTOCOLS: tuple[str, ...] = ("windows", "bos-per-doc", "sliding")
+LOGIT_CHUNK = 1024  # scored positions whose logits exist at once
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: in
         raise ValueError(f"stride={stride} is out of range; allowed: [1, {seq_len}] (seq_len)")
     windows = _scored_windows(_stream(source, tokenizer, protocol), seq_len, stride)[:max_windows]
     device = next(model.parameters()).device
+    head = output_head(model)
     total_nll, total_tokens = 0.0, 0
     groups: dict[tuple[int, int], list[Tensor]] = {}
     for window, skip in windows:  # equal shapes batch together
@@ -86,10 +93,10 @@ def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: in
                for i in range(0, len(ws), batch_size)]
     for batch, skip in tqdm(batches, desc=f"perplexity {source.name}", disable=not progress):
         batch = batch.to(device)
-        logits = model(input_ids=batch, use_cache=False).logits[:, skip - 1:-1].float()  # predict tokens skip..
-        targets = batch[:, skip:]
-        total_nll += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                       reduction="sum"))
+        hidden = final_hidden_states(model, batch)[:, skip - 1:-1].flatten(0, 1)  # the positions predicting skip..
+        targets = batch[:, skip:].flatten()
+        for h, t in zip(hidden.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):  # never a whole batch's logits
+            total_nll += float(nn.functional.cross_entropy(head(h).float(), t, reduction="sum"))
         total_tokens += targets.numel()
     mean = total_nll / total_tokens
     return Perplexity(ppl=math.exp(mean), nll=mean, tokens=total_tokens, windows=len(windows), seq_len=seq_len,

@@ -7,10 +7,9 @@ through the output head ``CHUNK_TOKENS`` tokens at a time, each chunk under acti
 (its logits are recomputed in the backward pass), so at most one chunk's logits exist at any moment:
 the same loss, up to float32 summation order.
 
-The losses read the final hidden states from the model's base model and apply its output embedding, as
-every causal-LM family moeify supports computes its logits, with the transforms some families apply
-after the head: Granite's division by ``config.logits_scaling`` and Gemma-2/3's soft-capping
-(``config.final_logit_softcapping``: cap * tanh(logits / cap)).
+The losses read the final hidden states from the model's base model and apply its output head as the
+model computes its logits (``arch.head``: the output embedding, then Granite's logit scaling or
+Gemma's soft-capping).
 """
 
 from __future__ import annotations
@@ -22,38 +21,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from moeify.arch.head import final_hidden_states, output_head
+
 CHUNK_TOKENS = 1024
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model inside an adapter wrapper (peft's ``PeftModel``), or the model itself."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def final_hidden_states(model: nn.Module, batch: Tensor) -> Tensor:
-    """The decoder's output (after its final norm) for ``batch``: (batch, seq, d)."""
-    return _causal_lm(model).base_model(input_ids=batch, use_cache=False).last_hidden_state
-
-
-class _TransformedHead(nn.Module):
-    """``head``, then the division by ``scaling`` and the soft-capping cap * tanh(logits / cap) (if any)."""
-
-    def __init__(self, head: nn.Module, scaling: float, cap: float | None) -> None:
-        super().__init__()
-        self.head, self.scaling, self.cap = head, scaling, cap
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        logits = self.head(hidden) / self.scaling
-        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
-
-
-def output_head(model: nn.Module) -> nn.Module:
-    """The module that turns final hidden states into the model's logits."""
-    causal = _causal_lm(model)
-    head = causal.get_output_embeddings()
-    scaling = getattr(causal.config, "logits_scaling", 1.0) or 1.0
-    cap = getattr(causal.config, "final_logit_softcapping", None) or None
-    return head if scaling == 1.0 and cap is None else _TransformedHead(head, scaling, cap)
 
 
 def _chunk_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
