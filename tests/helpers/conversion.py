@@ -15,6 +15,16 @@ def clone(model):
     return copy.deepcopy(model).eval()
 
 
+def assert_cached_generation_equals_uncached(model, prompt: torch.Tensor, new_tokens: int) -> None:
+    """Greedy generation with a KV cache gives the tokens of generation without one (the cache slots, the
+    layer indices and any per-token state of a converted model are right)."""
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+        uncached = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=False,
+                                  pad_token_id=0)
+    assert torch.equal(cached, uncached)
+
+
 def conversion_context(model, tokenizer, calib: TextSource, seed: int = 0) -> ConversionContext:
     """A method's context on ``model`` itself (converted in place): CPU, no progress bars."""
     return ConversionContext(model, tokenizer, calib, seed, torch.device("cpu"), progress=False)

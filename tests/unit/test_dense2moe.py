@@ -19,7 +19,7 @@ from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.options import OptionError, build_config
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import SoftmaxTopKRouter
-from tests.helpers.conversion import clone
+from tests.helpers.conversion import assert_cached_generation_equals_uncached, clone
 from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
 
 FAST = {"calib_samples": 4, "seq_len": 64, "steps": 0, "warmup": 0}
@@ -144,11 +144,8 @@ def test_fused_model_generates_with_cache_and_reloads_identically(family, make_c
     assert model.config.num_hidden_layers == 3 and details["expert_sources"] == [[span["layer"], *span["removed"]]]
     assert [m.self_attn.layer_idx if hasattr(m, "self_attn") else m.attention.layer_idx for m in
             DecoderAdapter(model).layers] == [0, 1, 2]
-    prompt = IDS[:1, :6]
+    assert_cached_generation_equals_uncached(model, IDS[:1, :6], 10)
     with torch.no_grad():
-        cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
-        uncached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False, pad_token_id=0)
-        assert torch.equal(cached, uncached)
         expected = model(IDS).logits
     out = moeify.save(ConversionResult(model, tokenizer, {"method": "dense2moe"}), tmp_path / "out")
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3

@@ -6,6 +6,7 @@ import torch
 from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import activated_parameters, removed_layers
 from moeify.moe.depth import remove_layers
+from tests.helpers.conversion import assert_cached_generation_equals_uncached
 from tests.helpers.tiny_models import tiny_model
 
 
@@ -26,10 +27,7 @@ def test_removal_renumbers_cache_slots_and_config_and_keeps_the_dense_total():
     after = activated_parameters(model)
     assert after.total_params == dense.total_params and after.active_params == 3 * (attn + mlp)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # sliding and full layers keep their own cache types and masks
-        cached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
-        assert torch.equal(cached, model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False,
-                                                  pad_token_id=0))
+    assert_cached_generation_equals_uncached(model, ids, 8)  # sliding and full layers keep their own cache types and masks
     remove_layers(model, [2])  # a second removal adds to the record
     assert [e["index"] for e in removed_layers(model)] == [0, 3, 2]
     assert activated_parameters(model).total_params == dense.total_params

@@ -9,7 +9,7 @@ from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import activated_parameters
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter, PrunedAttention
-from tests.helpers.conversion import clone
+from tests.helpers.conversion import assert_cached_generation_equals_uncached, clone
 from tests.helpers.remote import logits_without_moeify
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
@@ -94,10 +94,7 @@ def test_cached_generation_save_load_and_counting(tokenizer, tmp_path):
     total = activated_parameters(tiny_model("llama", **STORIES_VOCAB)).total_params
     model = routed_model()
     ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        cached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
-        assert torch.equal(cached, model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False,
-                                                  pad_token_id=0))
+    assert_cached_generation_equals_uncached(model, ids, 6)
     # By hand, per layer: q 4 heads x 6 dims x 64 + k 2 x 6 x 64; v 2 x 4 x 64 and o 4 x 4 x 64 per token.
     attn = 4 * 6 * 64 + 2 * 6 * 64 + 2 * 4 * 64 + 4 * 4 * 64
     mlp = 3 * 64 * 88

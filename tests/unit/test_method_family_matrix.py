@@ -14,7 +14,7 @@ from moeify.arch import FAMILIES, DecoderAdapter
 from moeify.methods import METHODS, Method
 from moeify.moe.accounting import moe_layers
 from moeify.options import build_config
-from tests.helpers.conversion import FAST, clone, conversion_context
+from tests.helpers.conversion import FAST, assert_cached_generation_equals_uncached, clone, conversion_context
 from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, VARIANT_NAMES, tiny_model
 
 IDS = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(11))
@@ -44,11 +44,8 @@ def converted(method: Method, family: str, tokenizer, calib_text, options: dict)
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
 def test_method_on_family(method, family, tokenizer, calib_text, tmp_path):
     dense, model = converted(method, family, tokenizer, calib_text, REACHABLE.get(method.name, {}))
-    prompt = IDS[:1, :6]
+    assert_cached_generation_equals_uncached(model, IDS[:1, :6], 8)
     with torch.no_grad():
-        cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
-        uncached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
-        assert torch.equal(cached, uncached)
         logits = model(IDS).logits
         folder = moeify.save(ConversionResult(model, tokenizer, {"method": method.name}), tmp_path / "m")
         torch.testing.assert_close(moeify.load(folder)(IDS).logits, logits, atol=1e-5, rtol=1e-5)
