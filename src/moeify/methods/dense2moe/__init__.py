@@ -27,13 +27,16 @@
    - the paper's MLP^(l) reads the pre-norm h (Eq. 3), so it includes its own norm: each removed
      layer's norm weight is folded into its experts' input projections (``fold_mlp_norm``, exact), so
      that expert computes MLP^(l*+k)(h^(l*)) as Eq. 6 writes it;
-   - the router is the softmax top-k of §2.1 with weights p_i * E / k (``SoftmaxTopKRouter``: an
-     untrained router's weights sum to 1), reading the normed MLP input as every Hugging Face MoE does;
+   - the router is the softmax top-k of §2.1 with weights p_i as §2.1 writes them (``router_weighting=
+     upcycle``: p_i * E / k, so that an untrained router's weights sum to 1), reading the normed MLP
+     input as every Hugging Face MoE does;
      W_g ~ N(0, initializer_range^2) from the seed, so identical copies get different tokens from the
      first step and training breaks their symmetry;
    - what these choices do at top-1 with one removed layer on stories260K (held-out perplexity after
-     the default budget, seed 0, unless noted): the router ends sending 95-99.7 % of tokens to the kept
-     MLP and ``lfuc`` beats the baselines by about 1 % (8.83 against 8.94 / 8.93). At top-1 one MLP
+     the default budget, seed 0, unless noted): ``lfuc`` beats the baselines by under 1 % with the
+     paper's weights p_i (8.90 against 8.93 for ``prune_only`` and 9.06 for ``prune_upcycle``), and by
+     about 1 % with ``router_weighting=upcycle`` (8.83 against 8.94 / 8.93), whose router ends sending
+     95-99.7 % of tokens to the kept MLP. At top-1 one MLP
      replaces the other for a token; on the calibration tokens the removed layer's MLP restores the
      dense layers' residual update better than the kept one for 38 % of tokens, but only by little: the
      squared error of always taking the kept MLP is 11.60, of the per-token best 10.38, of the best
@@ -41,8 +44,8 @@
      do not change that: W_g = 0 (every token ties to the kept MLP, the fused one never gets a token:
      ``lfuc`` becomes ``prune_upcycle`` exactly, 7.849 both at lr 3e-4), W_g fitted to that per-token
      best choice (untrained perplexity 11.38 against 12.15 with the random router and 10.80 for
-     ``prune_only``), the removed MLP reading l*'s normed input without folding its own norm (8.85), the
-     paper's weight p_i without E / k (worse for both MoE variants: ``lfuc`` 8.90, ``prune_upcycle`` 9.06).
+     ``prune_only``), the removed MLP reading l*'s normed input without folding its own norm (8.85). The
+     paper's p_i is the default although E / k measured better on stories260K, as the paper writes it.
      The learning rate decides the order (``dense2moe_train``); top-2 is decisive (8.07 against 8.93);
    - a norm after the MLP (Gemma-2/3's post_feedforward_layernorm; OLMo-2, which has no norm before it)
      stays the kept layer's: the MoE's output passes it, and a removed layer's own post-MLP norm is not

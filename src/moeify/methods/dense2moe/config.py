@@ -25,9 +25,9 @@ class Dense2moeConfig:
     num_copies: int = option(1, "N: copies of layer l*'s MLP among the experts", low=1)
     copies_per_pruned: int = option(1, "M: copies of each removed layer's MLP among the experts", low=1)
     top_k: int = option(1, "experts per token (§2.1; the paper uses top-1)", low=1)
-    router_weighting: Literal["upcycle", "paper"] = option(
-        "upcycle", "expert weight p_i E/k (upcycle: an untrained router keeps the layer at one MLP's scale) "
-                   "or p_i as §2.1 writes it (paper)")
+    router_weighting: Literal["paper", "upcycle"] = option(
+        "paper", "expert weight p_i as §2.1 writes it (paper), or p_i E/k (upcycle: an untrained router keeps "
+                 "the layer at one MLP's scale)")
     calib_samples: int = option(8, "calibration windows (of seq_len tokens) for the similarity", low=1)
     steps: int = option(100, "fine-tuning optimizer steps (0: none)", low=0)
     lr: float = option(1e-3, "peak learning rate (AdamW, every parameter)", low=0.0, low_open=True)
