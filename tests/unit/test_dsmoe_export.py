@@ -75,3 +75,11 @@ def test_eval_changes_the_threshold_at_run_time(converted, tmp_path):
     ratios = [runs[tau]["active"]["mlp_ratio"] for tau in ("0.0", "0.5", "0.6", "1.0")]
     assert ratios == sorted(ratios, reverse=True) and ratios[-1] < ratios[1] <= 1.0
     assert runs["0.6"]["ppl"]["tinystories_eval"] != runs["0.5"]["ppl"]["tinystories_eval"]  # another threshold
+
+
+def test_bench_measures_a_threshold_router_without_a_nominal_count(converted):
+    from moeify.evaluation.bench import benchmark_pair
+
+    dense, _ = moeify.load_model(None)
+    result = benchmark_pair(dense, moeify.load(converted), [1], seq_len=16, new_tokens=2, repeats=1)
+    assert result["ideal_speedup"] > 1  # from the routing measured on a batch: DSMoE has switched experts off

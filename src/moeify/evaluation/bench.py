@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from moeify.evaluation.speed import decode_tokens_per_s, forward_tokens_per_s, macs_per_token
+from moeify.moe.accounting import tracking_routing
 
 
 def _peak_memory(device: torch.device) -> str:
@@ -32,5 +33,17 @@ def benchmark_pair(dense: nn.Module, moe: nn.Module, batch_sizes: list[int], seq
     return {"prefill": prefill,
             "decode": {"batch_size": batch, "prompt_len": seq_len, "new_tokens": new_tokens, "dense": d, "moe": m,
                        "speedup": m / d},
-            "ideal_speedup": macs_per_token(dense, seq_len) / macs_per_token(moe, seq_len),
+            "ideal_speedup": macs_per_token(dense, seq_len) / _moe_macs_per_token(moe, seq_len),
             "peak_memory": _peak_memory(device), "repeats": repeats}
+
+
+def _moe_macs_per_token(moe: nn.Module, seq_len: int) -> float:
+    """``macs_per_token`` of the nominal routing; for routers with no nominal count (DSMoE's thresholds),
+    of the routing measured on one batch of random tokens, as the timed passes ran."""
+    try:
+        return macs_per_token(moe, seq_len)
+    except ValueError:
+        ids = torch.randint(0, moe.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), tracking_routing(moe):
+            moe(input_ids=ids.to(next(moe.parameters()).device), use_cache=False)
+            return macs_per_token(moe, seq_len, measured=True)
