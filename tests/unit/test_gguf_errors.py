@@ -36,5 +36,6 @@ def test_a_corrupt_gguf_is_one_line_naming_the_file(tmp_path, capsys):
 def test_a_gguf_of_another_family_is_refused_before_any_work(mamba_gguf, tmp_path, capsys):
     assert main(["convert", str(mamba_gguf), "--method", "cmoe", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == f"moeify convert: error: unsupported model_type 'mamba'; moeify supports: {', '.join(supported_model_types())}"
+    supported = ", ".join(supported_model_types())
+    assert err == f"moeify convert: error: unsupported model_type 'mamba'; moeify supports: {supported}"
     assert not (tmp_path / "out").exists()
