@@ -61,9 +61,8 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
 
 def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
             calib: str | Path | None = None, eval: str | Path | list[str | Path] | None = None, seed: int = 0,
-            device: str = "cpu",
-            dtype: str | None = None, eval_seq_len: int | None = None, measure_speed: bool = True,
-            progress: bool = False,
+            device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
+            measure_speed: bool = True, progress: bool = False,
             work_dir: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 

@@ -188,21 +188,17 @@ def _gradients(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor
     parts (of the whole batch)."""
     optimizer.zero_grad(set_to_none=True)
     share = batch.tensor_split(world_size())[rank()]
-    names: list[str] = []
-    values: list[Tensor] = []
+    sums: dict[str, float] = {}
     for micro in (m for m in share.tensor_split(grad_accum) if len(m)):
         weight = len(micro) / len(batch)
         parts = loss_fn(model, micro.to(device))
         (parts["loss"] * weight).backward()
-        if not names:
-            names = list(parts)
-            values = [torch.zeros((), dtype=torch.float64) for _ in names]
-        for i, name in enumerate(names):
-            values[i] += float(parts[name].detach()) * weight
+        for name, value in parts.items():
+            sums[name] = sums.get(name, 0.0) + float(value.detach()) * weight
     all_reduce_gradients_(model)
-    totals = torch.stack(values)
+    totals = torch.tensor(list(sums.values()), dtype=torch.float64)
     all_reduce_sum_([totals])
-    return {name: float(value) for name, value in zip(names, totals)}
+    return dict(zip(sums, totals.tolist()))
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, plan: TrainPlan, *, seed: int,
