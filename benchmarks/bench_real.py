@@ -74,12 +74,13 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     # the training methods at a CPU budget, at their papers' learning rates, with their ablations
     "dsmoe": ("dsmoe", {"steps": 20, "lr": 2e-5, "checkpoint_every": 0}),
     "dsmoe_no_ste": ("dsmoe", {"steps": 20, "lr": 2e-5, "variant": "no_ste", "checkpoint_every": 0}),
-    "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
-                                "router_weighting": "upcycle"}),
+    "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
+    "dense2moe_upcycle_weighting": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
+                                                  "router_weighting": "upcycle"}),
     "dense2moe_prune_upcycle": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
-                                              "router_weighting": "upcycle", "variant": "prune_upcycle"}),
+                                              "variant": "prune_upcycle"}),
     "dense2moe_prune_only": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
-                                           "router_weighting": "upcycle", "variant": "prune_only"}),
+                                           "variant": "prune_only"}),
     "cmoe": ("cmoe", {}),
 }
 

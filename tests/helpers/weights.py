@@ -16,6 +16,15 @@ def random_mlp(d=16, d_h=30, gated=True, bias=False, seed=0) -> MlpWeights:
                       down_bias=r(d) if bias else None)
 
 
+def layer_bytes(layer: torch.nn.Module) -> int:
+    """What a layer holds: parameters, buffers and, at inference, an MoE layer's packed copy."""
+    held = [*layer.parameters(), *layer.buffers()]
+    packed = getattr(layer, "_packed", None)
+    if packed is not None:
+        held += [t for t in vars(packed[1]).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     """``a`` and ``b`` hold the same state-dict keys and bit-identical tensors (parameters and buffers)."""
     sa, sb = a.state_dict(), b.state_dict()

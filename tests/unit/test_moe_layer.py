@@ -1,15 +1,17 @@
 """The runtime MoE layer: dispatch bookkeeping, real sparse compute, and the all-experts identity."""
 
+import copy
+
 import pytest
 import torch
 
 from moeify.arch.mlp import MlpWeights
-from moeify.moe.build import moe_from_partition
+from moeify.moe.build import expert_mlp, moe_from_partition, shared_neuron_experts
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.runtime.experts import ExpertMLP
 from moeify.runtime.moe import MoeMLP
-from moeify.runtime.routers import Dispatch, RepresentativeRouter
-from tests.helpers.weights import random_mlp
+from moeify.runtime.routers import ArgmaxRouter, Dispatch, RepresentativeRouter
+from tests.helpers.weights import layer_bytes, random_mlp
 
 
 def layer_for(mlp: MlpWeights, shared: int, experts: int, top_k: int) -> MoeMLP:
@@ -209,3 +211,32 @@ def test_an_adapter_wrapped_projection_keeps_the_per_expert_path():
         inference = layer(x)
     assert layer._packed is None
     torch.testing.assert_close(inference, layer(x).detach())
+
+
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_overlapping_experts_are_stored_once_and_compute_what_their_copies_compute(gated, bias):
+    """ToMoE's experts overlap (8 experts of 160 of 256 neurons: 5x the dense MLP as copies); stored once
+    they hold about the dense MLP, before and after an inference forward, and give the copies' output."""
+    mlp = random_mlp(d=64, d_h=256, gated=gated, bias=bias)
+    g = torch.Generator().manual_seed(3)
+    sets = [torch.randperm(256, generator=g)[:160].sort().values for _ in range(8)]
+    router = ArgmaxRouter(64, 8)
+    torch.nn.init.normal_(router.proj.weight, generator=g)
+    down_bias = None if mlp.down_bias is None else mlp.down_bias.clone()
+    stored_once = MoeMLP(shared_neuron_experts(mlp, sets), router, None, down_bias, dense_width=256)
+    copies = MoeMLP([expert_mlp(mlp.select(s)) for s in sets], copy.deepcopy(router), None,
+                    None if down_bias is None else down_bias.clone(), dense_width=256)
+    assert stored_once.expert_widths == copies.expert_widths == [160] * 8
+    x = torch.randn(2, 40, 64, generator=g)
+    torch.testing.assert_close(stored_once(x), copies(x), atol=1e-5, rtol=0)  # training path
+    with torch.no_grad():
+        torch.testing.assert_close(stored_once(x), copies(x), atol=1e-5, rtol=0)  # inference path
+        torch.testing.assert_close(stored_once.forward_all_experts(x), copies.forward_all_experts(x), atol=1e-4,
+                                   rtol=0)
+    dense_bytes = sum(t.numel() * t.element_size() for t in (mlp.up, mlp.down, mlp.gate, mlp.up_bias,
+                                                             mlp.gate_bias, mlp.down_bias) if t is not None)
+    assert layer_bytes(stored_once) <= 1.15 * dense_bytes
+    assert layer_bytes(copies) > 5 * dense_bytes  # the copies and their packed copy at inference
+    for e, expert in enumerate(stored_once.expert_modules()):  # what an export writes
+        torch.testing.assert_close(expert(x), copies.experts[e](x), atol=1e-6, rtol=0)
+    assert stored_once.experts.expert_neurons() == [s.tolist() for s in sets]

@@ -5,6 +5,7 @@ import torch
 
 import moeify
 from moeify.api import ConversionResult, set_runtime_options
+from moeify.arch import DecoderAdapter
 from moeify.methods.tomoe import TomoeConfig
 from moeify.methods.tomoe.convert import budget_threshold, convert, mlp_cost, widened_experts
 from moeify.methods.tomoe.modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
@@ -17,6 +18,7 @@ from moeify.runtime.routers import ArgmaxRouter
 from tests.helpers.conversion import clone
 from tests.helpers.killing import kill_in_step
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
+from tests.helpers.weights import layer_bytes
 
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 FAST = dict(steps=3, batch_size=2, seq_len=32, calib_samples=2, checkpoint_every=0)
@@ -75,11 +77,11 @@ def test_experts_are_widened_from_the_union_and_the_budget_threshold_meets_it():
                                                     ("gpt_neox", "off", 0.8)])
 def test_conversion_meets_the_budget_and_pseudo_moe_gives_the_same_logits(family, attention, ratio, make_ctx,
                                                                           tokenizer, tmp_path):
-    _, ctx, details = converted(family, make_ctx, attention=attention, active_ratio=ratio)
+    dense, ctx, details = converted(family, make_ctx, attention=attention, active_ratio=ratio)
     model = ctx.model
     layers = [m for m in model.modules() if isinstance(m, MoeMLP)]
     assert len(layers) == 2 and all(isinstance(m.router, ArgmaxRouter) and len(m.experts) == 8 for m in layers)
-    assert all(len({e.width for e in m.experts}) == 1 for m in layers)  # widened to the layer maximum
+    assert all(len(set(m.expert_widths)) == 1 for m in layers)  # widened to the layer maximum
     pruned = [m for m in model.modules() if isinstance(m, PrunedAttention)]
     assert len(pruned) == (2 if attention == "on" else 0)
     counted = activated_parameters(model, measured=False)
@@ -91,6 +93,9 @@ def test_conversion_meets_the_budget_and_pseudo_moe_gives_the_same_logits(family
         pseudo = model(IDS).logits
         set_runtime_options(model, {"pseudo_moe": "false"})
     assert torch.allclose(pseudo, gathered, atol=1e-5, rtol=0)
+    dense_mlps = DecoderAdapter(dense)
+    for i, layer in enumerate(layers):  # the overlapping experts stored once, at inference included
+        assert layer_bytes(layer) <= 1.15 * layer_bytes(dense_mlps.mlp_module(i))
     out = moeify.save(ConversionResult(model, tokenizer, {"method": "tomoe"}), tmp_path / "out")
     with torch.no_grad():
         assert torch.allclose(moeify.load(out)(IDS).logits, gathered, atol=1e-5, rtol=0)  # bitwise: alignment-dependent

@@ -147,8 +147,8 @@ def _input_bound(adapter: DecoderAdapter, i: int, hidden: int) -> float:
 
 def _moe_parts(module: MoeMLP, routing: Routing | None) -> tuple[GatedMlp | None, tuple, Routing | None]:
     shared = None if module.shared is None else _module_part(module.shared, "the shared part")
-    experts = tuple(_module_part(e, f"expert {n}") for n, e in enumerate(module.experts))
-    act = (module.shared if module.shared is not None else module.experts[0]).neurons.act_name
+    experts = tuple(_module_part(e, f"expert {n}") for n, e in enumerate(module.expert_modules()))
+    act = module.neuron_layout.act_name
     if act != SUPPORTED_ACT:
         raise NotRepresentable(f"the MoE layer uses activation {act!r}; exportable: {SUPPORTED_ACT!r}")
     if module.down_bias is not None:

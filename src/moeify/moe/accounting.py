@@ -36,7 +36,7 @@ from moeify.runtime.sparse_inputs import ThresholdedLinear
 
 def _neuron_params(layer: MoeMLP) -> int:
     """Parameters owned by one hidden neuron of this layer (a row of up/gate, a column of down, biases)."""
-    n = (layer.shared or layer.experts[0]).neurons
+    n = layer.neuron_layout
     per = n.up.in_features * (3 if n.gated else 2)
     return per + (0 if n.up.bias is None else (2 if n.gated else 1))
 
@@ -44,7 +44,7 @@ def _neuron_params(layer: MoeMLP) -> int:
 def moe_layer_counts(layer: MoeMLP, measured: bool) -> tuple[int, float, int]:
     """(dense-equivalent MLP params, expected active MLP params per token, router params)."""
     per = _neuron_params(layer)
-    widths = [e.width for e in layer.experts]
+    widths = layer.expert_widths
     shared = 0 if layer.shared is None else layer.shared.width
     bias = 0 if layer.down_bias is None else layer.down_bias.numel()
     dense = layer.dense_width * per + bias

@@ -7,7 +7,7 @@ from torch import nn
 
 from moeify.arch.mlp import MlpWeights
 from moeify.moe.partition import ExpertPartition
-from moeify.runtime.experts import ExpertMLP, HiddenNeurons
+from moeify.runtime.experts import ExpertMLP, HiddenNeurons, SharedNeuronExperts
 from moeify.runtime.moe import MoeMLP
 
 
@@ -40,6 +40,22 @@ def expert_mlp(mlp: MlpWeights) -> ExpertMLP:
     with torch.no_grad():
         expert.down.weight.copy_(mlp.down)
     return expert
+
+
+def shared_neuron_experts(mlp: MlpWeights, sets: list[torch.Tensor]) -> SharedNeuronExperts:
+    """Experts that are overlapping neuron subsets of ``mlp`` (equal sizes, each ascending), stored once:
+    the union of ``sets`` and each set's positions in it."""
+    union = torch.cat(sets).unique()  # sorted
+    experts = SharedNeuronExperts(mlp.hidden_size, len(union), len(sets), len(sets[0]), mlp.act, mlp.gated,
+                                  mlp.up_bias is not None)
+    experts.to(mlp.up)
+    part = mlp.select(union)
+    load_neurons_(experts.neurons, part)
+    with torch.no_grad():
+        experts.down.weight.copy_(part.down)
+        experts.index.copy_(torch.stack([torch.searchsorted(union, s) for s in sets]))
+        experts.neuron_ids.copy_(union)
+    return experts
 
 
 def moe_from_partition(mlp: MlpWeights, partition: ExpertPartition, router: nn.Module) -> MoeMLP:

@@ -3,7 +3,9 @@ them. Part of the runtime copied into every converted folder (imports torch and 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
 
@@ -47,3 +49,52 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.neurons(x))
+
+
+class SharedNeuronExperts(nn.Module):
+    """Experts that overlap (ToMoE's neuron subsets of one dense MLP), stored once: the union of their
+    neurons as one ``HiddenNeurons`` + down projection, and each expert as positions in that union
+    (``index``: (experts, width), a buffer), the official code's masks as index lists. Expert ``e`` runs
+    on the union's rows ``index[e]``, gathered when it runs, so the layer holds the union once (about the
+    dense MLP) and a forward adds one expert's rows at a time. ``neuron_ids``: each union neuron's index
+    in the dense MLP."""
+
+    def __init__(self, hidden_size: int, union_width: int, num_experts: int, width: int, act: str, gated: bool,
+                 up_bias: bool) -> None:
+        super().__init__()
+        self.neurons = HiddenNeurons(hidden_size, union_width, act, gated, up_bias)
+        self.down = nn.Linear(union_width, hidden_size, bias=False)
+        self.register_buffer("index", torch.zeros(num_experts, width, dtype=torch.int32))
+        self.register_buffer("neuron_ids", torch.arange(union_width, dtype=torch.int32))
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def widths(self) -> list[int]:
+        return [self.index.shape[1]] * len(self)
+
+    def expert_neurons(self) -> list[list[int]]:
+        """Each expert's neurons as indices of the dense MLP."""
+        return self.neuron_ids[self.index].tolist()
+
+    def expert_output(self, e: int, x: Tensor) -> Tensor:
+        """Expert ``e`` on the tokens ``x`` (tokens, d)."""
+        n, rows = self.neurons, self.index[e]
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        h = F.linear(x, pick(n.up.weight), pick(n.up.bias))
+        h = n.act(F.linear(x, pick(n.gate.weight), pick(n.gate.bias))) * h if n.gate is not None else n.act(h)
+        return F.linear(h, self.down.weight.index_select(1, rows))
+
+    def expert(self, e: int) -> ExpertMLP:
+        """Expert ``e`` as its own module (a copy: what an export writes)."""
+        n, rows = self.neurons, self.index[e]
+        module = ExpertMLP(n.up.in_features, len(rows), n.act_name, n.gated, n.up.bias is not None).to(n.up.weight)
+        with torch.no_grad():
+            for source, target in ((n.up, module.neurons.up), (n.gate, module.neurons.gate)):
+                if source is not None:
+                    target.weight.copy_(source.weight[rows])
+                    if source.bias is not None:
+                        target.bias.copy_(source.bias[rows])
+            module.down.weight.copy_(self.down.weight[:, rows])
+        return module

@@ -17,18 +17,23 @@ reproduces the native logits bit for bit. Equal experts run as fast as the per-e
 pay for their padding (MoRE: ~8-12 %, benchmarks/bench_export_layout.py). The packed copy is rebuilt
 whenever a weight changes, and dropped by the next forward with gradients on; it holds the layer's
 weights a second time while it exists. A projection wrapped by an adapter (LoRA) keeps the per-expert
-path.
+path. Experts that overlap (ToMoE's) are stored once (``experts.SharedNeuronExperts``) and have no
+packed copy: at inference each routed expert's rows are gathered from the union into the packed layout
+when it runs (``packed.shared_neuron_output``), so the layer holds about the dense MLP's weights, not
+its experts' summed widths twice, and still computes what its export computes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .experts import ExpertMLP
-from .packed import PackedExperts, packed_widths
+from .experts import ExpertMLP, HiddenNeurons, SharedNeuronExperts
+from .packed import PackedExperts, packed_widths, shared_neuron_output
 from .routers import ROUTERS, Dispatch, Router
 
 FORMAT_VERSION = 1
@@ -41,28 +46,54 @@ class MoeMLP(nn.Module):
     which moeify measures the activated parameters per token and the expert load. With no routed
     experts (and no router) the layer is a statically narrowed MLP (a pruning baseline); ``dense_width``
     is the hidden width of the dense MLP it replaces, for parameter accounting.
+
+    ``experts`` is a list of disjoint ``ExpertMLP`` modules, or one ``SharedNeuronExperts`` when the
+    experts overlap (ToMoE): then their neurons are stored once, and ``pseudo_moe`` is possible.
     """
 
-    def __init__(self, experts: list[ExpertMLP], router: Router | None, shared: ExpertMLP | None = None,
-                 down_bias: Tensor | None = None, dense_width: int | None = None,
-                 expert_neurons: list[list[int]] | None = None) -> None:
+    def __init__(self, experts: list[ExpertMLP] | SharedNeuronExperts, router: Router | None,
+                 shared: ExpertMLP | None = None, down_bias: Tensor | None = None,
+                 dense_width: int | None = None) -> None:
         super().__init__()
-        if (router is None) != (not experts) or (shared is None and not experts):
+        if (router is None) != (not len(experts)) or (shared is None and not len(experts)):
             raise ValueError("an MoeMLP needs routed experts with a router, or a shared part alone")
-        self.experts = nn.ModuleList(experts)
+        self.experts = experts if isinstance(experts, SharedNeuronExperts) else nn.ModuleList(experts)
         self.router = router
         self.shared = shared
         self.down_bias = None if down_bias is None else nn.Parameter(down_bias)
-        widths = sum(e.width for e in experts) + (0 if shared is None else shared.width)
+        widths = sum(self.expert_widths) + (0 if shared is None else shared.width)
         self.dense_width = widths if dense_width is None else dense_width
         self.track_stats = False
         self.reset_stats()
-        # Which dense neurons each expert holds, when experts overlap (ToMoE): enables ``pseudo_moe``.
-        self.expert_neurons = expert_neurons
         self.pseudo_moe = False
         # (W, S) of ``packed_widths``: this layer's own until ``set_packed_widths`` gives the model's.
-        self.packed_widths = packed_widths([e.width for e in experts], [] if shared is None else [shared.width])
+        self.packed_widths = packed_widths(self.expert_widths, [] if shared is None else [shared.width])
         self._packed: tuple[tuple, PackedExperts] | None = None
+
+    @property
+    def shares_neurons(self) -> bool:
+        """Whether the experts overlap and are stored once (``SharedNeuronExperts``)."""
+        return isinstance(self.experts, SharedNeuronExperts)
+
+    @property
+    def expert_widths(self) -> list[int]:
+        return self.experts.widths if self.shares_neurons else [e.width for e in self.experts]
+
+    @property
+    def neuron_layout(self) -> HiddenNeurons:
+        """A part's input half, for what all parts share: width of x, activation, gating, biases."""
+        if self.shared is not None:
+            return self.shared.neurons
+        return self.experts.neurons if self.shares_neurons else self.experts[0].neurons
+
+    def expert_modules(self) -> list[ExpertMLP]:
+        """Every routed expert as its own module (copies, when the experts share neurons)."""
+        if self.shares_neurons:
+            return [self.experts.expert(e) for e in range(len(self.experts))]
+        return list(self.experts)
+
+    def _expert_output(self, e: int, x: Tensor) -> Tensor:
+        return self.experts.expert_output(e, x) if self.shares_neurons else self.experts[e](x)
 
     def reset_stats(self) -> None:
         self.stats_tokens = 0
@@ -71,11 +102,11 @@ class MoeMLP(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
-        packed = None
+        path = None
         if self.router is not None and not self.pseudo_moe and not torch.is_grad_enabled():
-            packed = self._current_pack()
-        if packed is not None:
-            out = self._packed_forward(x, packed)
+            path = self._inference_path()
+        if path is not None:
+            out = self._packed_forward(x, *path)
         else:
             self._packed = None  # per-expert path (training, pseudo-MoE, adapters): the copy goes
             out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
@@ -103,20 +134,31 @@ class MoeMLP(nn.Module):
         for e, n in enumerate(dispatch.counts.tolist()):  # only routed experts run, on their tokens
             if n:
                 rows = dispatch.token[start:start + n]
-                y = self.experts[e](x.index_select(0, rows)) * weight[start:start + n, None]
+                y = self._expert_output(e, x.index_select(0, rows)) * weight[start:start + n, None]
                 out = out.index_add(0, rows, y)
                 start += n
         return out
 
-    def _packed_forward(self, x: Tensor, packed: PackedExperts) -> Tensor:
+    def _inference_path(self) -> tuple[Callable[[Tensor, Dispatch], Tensor], Callable[[Tensor], Tensor] | None] | None:
+        """(routed output, shared output) in the packed layout, or None where the per-expert path runs."""
+        if self.shares_neurons:
+            return partial(shared_neuron_output, self.experts, width=self.packed_widths[0],
+                           expert_scale=self.router.expert_scale), self.shared
+        packed = self._current_pack()
+        if packed is None:
+            return None
+        return packed.routed_output, None if packed.shared is None else packed.shared_output
+
+    def _packed_forward(self, x: Tensor, routed_output: Callable[[Tensor, Dispatch], Tensor],
+                        shared_output: Callable[[Tensor], Tensor] | None) -> Tensor:
         """Inference path: the packed experts (see the module docstring), summed like transformers' MoE
         blocks: per token over its top-k slots in order, then plus the shared part."""
         dispatch = self.router(x)
         self._track(dispatch)
-        shared = packed.shared_output(x) if packed.shared is not None else None
+        shared = shared_output(x) if shared_output is not None else None
         if dispatch.token.numel() == 0:
             return shared if shared is not None else torch.zeros_like(x)
-        y = packed.routed_output(x, dispatch)
+        y = routed_output(x, dispatch)
         if dispatch.slot is None:  # a token-dependent number of experts: add in dispatch order
             return (shared if shared is not None else torch.zeros_like(x)).index_add(0, dispatch.token, y)
         routed = torch.empty_like(y)
@@ -145,66 +187,52 @@ class MoeMLP(nn.Module):
         return self._packed[1]
 
     def _pseudo_moe(self, x: Tensor) -> Tensor:
-        """ToMoE's pseudo-MoE (Appendix B.3, Eq. 17): the union of the experts' neurons as one dense MLP,
-        each token's hidden activations times the 0/1 mask of its routed experts (weighted). Equal to the
-        gathered experts, because an expert is the dense MLP restricted to its neurons."""
-        if self.expert_neurons is None:
-            raise ValueError("pseudo_moe needs the experts' neuron sets (expert_neurons), which this layer lacks")
-        union = sorted({n for neurons in self.expert_neurons for n in neurons})
-        column = {n: j for j, n in enumerate(union)}
-        owner = {}  # a neuron's weights, from the first expert that holds it (all copies are equal)
-        for e, neurons in enumerate(self.expert_neurons):
-            for pos, n in enumerate(neurons):
-                owner.setdefault(n, (e, pos))
-        rows = lambda get: torch.stack([get(self.experts[e])[pos] for e, pos in (owner[n] for n in union)])  # noqa: E731
-        first = self.experts[0].neurons
-        up = rows(lambda ex: ex.neurons.up.weight)
-        up_b = None if first.up.bias is None else rows(lambda ex: ex.neurons.up.bias)
-        down = rows(lambda ex: ex.down.weight.t()).t()
-        masks = torch.zeros(len(self.experts), len(union), dtype=x.dtype, device=x.device)
-        for e, neurons in enumerate(self.expert_neurons):
-            masks[e, [column[n] for n in neurons]] = 1.0
+        """ToMoE's pseudo-MoE (Appendix B.3, Eq. 17): the stored union of the experts' neurons as one dense
+        MLP, each token's hidden activations times the 0/1 mask of its routed experts (weighted). Equal
+        to the gathered experts, because an expert is the union restricted to its neurons."""
+        if not self.shares_neurons:
+            raise ValueError("pseudo_moe needs experts that share neurons (ToMoE's); this layer's are disjoint")
+        bank = self.experts
+        masks = torch.zeros(len(bank), bank.down.in_features, dtype=x.dtype, device=x.device)
+        masks.scatter_(1, bank.index.long(), 1.0)
         dispatch = self.router(x)
-        weights = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-        weights[dispatch.token, dispatch.expert] = dispatch.weight
-        hidden = nn.functional.linear(x, up, up_b)
-        if first.gate is not None:
-            gate_b = None if first.gate.bias is None else rows(lambda ex: ex.neurons.gate.bias)
-            hidden = first.act(nn.functional.linear(x, rows(lambda ex: ex.neurons.gate.weight), gate_b)) * hidden
-        else:
-            hidden = first.act(hidden)
-        if self.track_stats:
-            self.stats_expert_tokens += dispatch.counts.cpu()
-        return nn.functional.linear(hidden * (weights @ masks), down)
+        self._track(dispatch)
+        weights = torch.zeros(x.shape[0], len(bank), dtype=x.dtype, device=x.device)
+        weights[dispatch.token, dispatch.expert] = dispatch.weight * self.router.expert_scale
+        return bank.down(bank.neurons(x) * (weights @ masks))
 
     def forward_all_experts(self, hidden_states: Tensor) -> Tensor:
         """Every expert on every token with unit weight: reproduces the dense MLP (identity tests)."""
-        out = sum(expert(hidden_states) for expert in self.experts)
+        out = sum(self._expert_output(e, hidden_states) for e in range(len(self.experts)))
         if self.shared is not None:
             out = out + self.shared(hidden_states)
         return out + self.down_bias if self.down_bias is not None else out
 
     def spec(self) -> dict[str, Any]:
         """Everything needed to rebuild this layer's structure (the weights come from safetensors)."""
-        first = (self.shared or self.experts[0]).neurons
+        first = self.neuron_layout
         return {
             "hidden_size": first.up.in_features,
             "act": first.act_name,
             "gated": first.gated,
             "up_bias": first.up.bias is not None,
             "down_bias": self.down_bias is not None,
-            "expert_widths": [e.width for e in self.experts],
+            "expert_widths": self.expert_widths,
             "shared_width": 0 if self.shared is None else self.shared.width,
             "dense_width": self.dense_width,
             "router": None if self.router is None else self.router.spec(),
-            "expert_neurons": self.expert_neurons,
+            "union_width": self.experts.down.in_features if self.shares_neurons else None,
         }
 
 
 def build_moe_mlp(spec: dict[str, Any]) -> MoeMLP:
     """An MoeMLP with the structure of ``spec`` and uninitialised weights (to be loaded)."""
     d, act, gated, up_bias = spec["hidden_size"], spec["act"], spec["gated"], spec["up_bias"]
-    experts = [ExpertMLP(d, w, act, gated, up_bias) for w in spec["expert_widths"]]
+    widths = spec["expert_widths"]
+    if spec.get("union_width"):
+        experts = SharedNeuronExperts(d, spec["union_width"], len(widths), widths[0], act, gated, up_bias)
+    else:
+        experts = [ExpertMLP(d, w, act, gated, up_bias) for w in widths]
     shared = ExpertMLP(d, spec["shared_width"], act, gated, up_bias) if spec["shared_width"] else None
     router = None
     if spec["router"] is not None:  # router constructors take the layer's shape keywords they need
@@ -212,8 +240,7 @@ def build_moe_mlp(spec: dict[str, Any]) -> MoeMLP:
         router_cls = ROUTERS[router_spec.pop("kind")]
         router = router_cls(hidden_size=d, act=act, gated=gated, up_bias=up_bias, **router_spec)
     down_bias = torch.zeros(d) if spec["down_bias"] else None
-    return MoeMLP(experts, router, shared, down_bias, dense_width=spec.get("dense_width"),
-                  expert_neurons=spec.get("expert_neurons"))
+    return MoeMLP(experts, router, shared, down_bias, dense_width=spec.get("dense_width"))
 
 
 def install_moe_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
@@ -227,7 +254,7 @@ def set_packed_widths(model: nn.Module) -> None:
     """Give every routed MoE layer of ``model`` the model-wide ``packed_widths`` (on load and after a
     conversion), the widths a standard export of the model stores."""
     layers = [m for m in model.modules() if isinstance(m, MoeMLP) and m.router is not None]
-    widths = packed_widths([e.width for layer in layers for e in layer.experts],
+    widths = packed_widths([w for layer in layers for w in layer.expert_widths],
                            [layer.shared.width for layer in layers if layer.shared is not None])
     for layer in layers:
         layer.packed_widths = widths

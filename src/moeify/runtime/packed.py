@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from .experts import ExpertMLP
+from .experts import ExpertMLP, SharedNeuronExperts
 from .routers import Dispatch
 
 
@@ -107,3 +107,31 @@ class PackedExperts:
         else:
             h = self.act(h)
         return grouped_linear(h, self.down, offsets) * dispatch.weight[:, None]
+
+
+def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Dispatch, width: int,
+                         expert_scale: float) -> Tensor:
+    """``PackedExperts.routed_output`` for experts stored once: each routed expert's rows gathered from the
+    union into the packed layout (zero-padded to ``width``) when it runs, one expert at a time, so the sums
+    are the packed layout's (and an export's) without a second copy of the layer."""
+    neurons = experts.neurons
+    out = x.new_empty(dispatch.token.numel(), x.shape[1])
+    start = 0
+    for e, n in enumerate(dispatch.counts.tolist()):
+        if not n:
+            continue
+        rows, pairs = experts.index[e], slice(start, start + n)
+        pick = lambda t: None if t is None else _padded_rows(t.index_select(0, rows), width)  # noqa: E731
+        first = torch.cat([pick(neurons.gate.weight), pick(neurons.up.weight)]) if neurons.gated \
+            else pick(neurons.up.weight)
+        down = F.pad(experts.down.weight.index_select(1, rows), (0, width - len(rows)))
+        down = down * expert_scale if expert_scale != 1.0 else down
+        offsets = torch.tensor([n], dtype=torch.int32, device=x.device)
+        h = grouped_linear(x[dispatch.token[pairs]], first[None], offsets)
+        if neurons.up.bias is not None:
+            h = h + (torch.cat([pick(neurons.gate.bias), pick(neurons.up.bias)]) if neurons.gated
+                     else pick(neurons.up.bias))
+        h = neurons.act(h[:, :width]) * h[:, width:] if neurons.gated else neurons.act(h)
+        out[pairs] = grouped_linear(h, down[None], offsets) * dispatch.weight[pairs, None]
+        start += n
+    return out

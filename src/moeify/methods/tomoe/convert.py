@@ -11,7 +11,8 @@
   "adjust[s] the width of all experts to match the maximum size among them") with the union neurons of
   highest Proj_D^MLP logit it lacks, so only neurons in the union of experts are kept. The layer becomes
   an ``MoeMLP`` whose experts are those neuron subsets (Eq. 12) with an ``ArgmaxRouter`` (top-1, unscaled
-  output, Eq. 13); the neuron sets are kept (``expert_neurons``) for the pseudo-MoE of Appendix B.3.
+  output, Eq. 13). The experts overlap, so they are stored once (``SharedNeuronExperts``: the union and
+  each expert's index list, as the official code keeps masks), which also gives Appendix B.3's pseudo-MoE.
 - Attention: Q/K keep the dimensions of the noise-free s_0' (at least one pair); V/O become top-K routing,
   K = round(mean over calibration tokens of the noise-free s_t count, at least 1) (§3.3), with the mean expert
   embedding folded into Proj_E^MHA's bias (§3.5): a ``PrunedAttention`` with a ``HeadDimRouter``.
@@ -32,7 +33,7 @@ from moeify.methods.tomoe.config import TomoeConfig
 from moeify.methods.tomoe.modules import EMBED_DIM, KEEP_BIAS
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
 from moeify.moe.accounting import layer_attention_counts
-from moeify.moe.build import expert_mlp
+from moeify.moe.build import shared_neuron_experts
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.plots import training_curves
@@ -170,8 +171,8 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
             router = ArgmaxRouter(weights.hidden_size, cfg.num_experts)
             router.proj.weight.copy_(modules.router.weight)
             down_bias = None if weights.down_bias is None else weights.down_bias.clone()
-            layer = MoeMLP([expert_mlp(weights.select(s)) for s in sets], router, None, down_bias,
-                           dense_width=weights.intermediate_size, expert_neurons=[s.tolist() for s in sets])
+            layer = MoeMLP(shared_neuron_experts(weights, sets), router, None, down_bias,
+                           dense_width=weights.intermediate_size)
             adapter.replace_mlp_(i, layer.to(weights.up.device))
             layers[i].update({"expert_width": len(sets[0]), "own_widths": (logits > theta_).sum(dim=1).tolist(),
                               "union": int((logits > theta_).any(dim=0).sum()),

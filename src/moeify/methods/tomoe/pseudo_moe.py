@@ -18,7 +18,7 @@ def set_pseudo_moe(model: PreTrainedModel, value: Any) -> Callable[[], None]:
     """Switch pseudo-MoE on or off for every ToMoE layer of ``model``; returns the function that puts the
     previous setting back."""
     on = parse_bool("pseudo_moe", value)
-    modules = [layer for layer in moe_layers(model) if layer.expert_neurons is not None]
+    modules = [layer for layer in moe_layers(model) if layer.shares_neurons]
     if not modules:
         raise OptionError("pseudo_moe applies to models whose experts share neurons (ToMoE); this one has none")
     modules += [module for module in model.modules() if isinstance(module, PrunedAttention)]
