@@ -46,7 +46,8 @@ def _completed(folder: Path) -> bool:
     return (folder / "record.json").is_file()
 
 
-def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *, calib: str | None = None,
+def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *,
+                   calib: str | list[str] | None = None,
                    eval: str | None = None, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                    progress: bool = False, overwrite: bool = False,
                    resume: bool = False) -> list[dict[str, Any]]:

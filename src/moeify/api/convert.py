@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeify.arch import family_for
+from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
 from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
@@ -60,13 +61,14 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
 
 
 def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
-            calib: str | Path | None = None, eval: str | Path | list[str | Path] | None = None, seed: int = 0,
-            device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
+            calib: str | Path | list[str | Path] | None = None, eval: str | Path | list[str | Path] | None = None,
+            seed: int = 0, device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
             measure_speed: bool = True, progress: bool = False,
             work_dir: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
-    ``eval``: one held-out text, or several: the first is the one the metrics are measured on, and a
+    ``calib``: the calibration/training text, a file, a folder or a list (large corpora are streamed from a
+    cached token file; see ``moeify.calibration.corpus``). ``eval``: one held-out text, or several: the first is the one the metrics are measured on, and a
     method's analysis (e.g. DSMoE's per-data-set heatmap) covers them all.
     ``work_dir`` is where a method keeps state across runs (training checkpoints to resume from); the
     CLI uses ``<out>.work`` beside the output folder. ``dtype``: the working dtype (default: the
@@ -74,7 +76,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     model's weights are loaded."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
-    calib_source = read_text(calib or EMBEDDED_CALIB)
+    calib_source = read_corpus(calib or EMBEDDED_CALIB)
     eval_sources = [read_text(e) for e in (eval if isinstance(eval, list) else [eval or EMBEDDED_EVAL])]
     eval_source = eval_sources[0]
     warnings = [f"the calibration and evaluation texts are identical ({calib_source.name}): the perplexity is "

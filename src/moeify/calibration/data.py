@@ -38,6 +38,7 @@ class TextSource:
 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".raw", ".tokens")  # plain text (WikiText's .raw/.tokens included)
+DOC_SEPARATOR = "\n\n"  # between the documents of a .jsonl/.json file, and between files
 
 
 def read_text(path: str | Path) -> TextSource:
@@ -58,21 +59,26 @@ def read_text(path: str | Path) -> TextSource:
     except UnicodeDecodeError as error:
         raise DataError(f"data file {spec!r} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     if file.suffix.lower() == ".jsonl":
-        text = "\n\n".join(_doc_text(_json_line(line, file, number), file)
-                           for number, line in enumerate(raw.splitlines(), start=1) if line.strip())
+        text = DOC_SEPARATOR.join(_doc_text(_json_line(line, file, number), file)
+                                  for number, line in enumerate(raw.splitlines(), start=1) if line.strip())
     elif file.suffix.lower() == ".json":
-        try:
-            docs = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{spec}: not valid JSON (line {error.lineno}: {error.msg})") from None
-        if not isinstance(docs, list):
-            raise DataError(f"{spec}: a .json data file must hold a list of strings or of objects with 'text'")
-        text = "\n\n".join(_doc_text(doc, file) for doc in docs)
+        text = DOC_SEPARATOR.join(_doc_text(doc, file) for doc in json_docs(file, raw))
     else:
         text = raw
     if not text.strip():
         raise DataError(f"data file {spec!r} holds no text")
     return TextSource(file.name, text)
+
+
+def json_docs(file: Path, raw: str) -> list[Any]:
+    """The documents of a .json data file (a list), or a ``DataError`` naming the file."""
+    try:
+        docs = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{file}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(docs, list):
+        raise DataError(f"{file}: a .json data file must hold a list of strings or of objects with 'text'")
+    return docs
 
 
 def _json_line(line: str, file: Path, number: int) -> Any:
@@ -90,13 +96,19 @@ def _doc_text(doc: Any, file: Path) -> str:
     raise DataError(f"{file}: every record needs a string 'text' field, got {str(doc)[:80]!r}")
 
 
-def token_stream(source: TextSource, tokenizer: Any) -> Tensor:
-    """The whole text tokenized once: (n_tokens,), the tokenizer's BOS at the start if it has one (added
-    here when the tokenizer does not add it itself, as the tokenizers read from GGUF files do not)."""
-    ids = tokenizer(source.text, return_attention_mask=False, verbose=False)["input_ids"]
+def bos_first(ids: list[int], tokenizer: Any) -> list[int]:
+    """``ids`` starting with the tokenizer's BOS if it has one (added here when the tokenizer does not add
+    it itself, as the tokenizers read from GGUF files do not)."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and ids[:1] != [bos]:
-        ids = [bos, *ids]
+    return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
+
+
+def token_stream(source: Any, tokenizer: Any) -> Tensor:
+    """The whole text tokenized once: (n_tokens,), the tokenizer's BOS at the start if it has one. A
+    ``corpus.FileCorpus`` gives its memory-mapped token file instead (int32; windows are cast on use)."""
+    if not isinstance(source, TextSource):
+        return source.tokens(tokenizer)
+    ids = bos_first(tokenizer(source.text, return_attention_mask=False, verbose=False)["input_ids"], tokenizer)
     if len(ids) < 2:
         raise DataError(f"{source.name}: the text gives only {len(ids)} token(s)")
     return torch.tensor(ids, dtype=torch.long)
@@ -112,4 +124,4 @@ def calibration_batches(source: TextSource, tokenizer: Any, num_samples: int, se
                         f"fewer than calib_samples={num_samples}; pass more text or lower either value")
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(slots, generator=generator)[:num_samples].sort().values
-    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()])
+    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()]).long()

@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", default=names, help=f"comma-separated (default: {names})")
     parser.add_argument("--active", type=float, default=0.5, help="target APR (default 0.5)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the runs and the report")
-    parser.add_argument("--calib", default=None, help="calibration/training text (default: embedded)")
+    parser.add_argument("--calib", action="append", default=None,
+                        help="calibration/training text, as for convert: a file or folder, repeatable (default: "
+                             "embedded)")
     parser.add_argument("--eval", default=None, help="evaluation text (default: embedded, disjoint)")
     parser.add_argument("--seed", type=int, default=0)
     add_device_arguments(parser)

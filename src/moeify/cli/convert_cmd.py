@@ -24,8 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--method", required=True, help="conversion method (see `moeify methods`)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
-    parser.add_argument("--calib", default=None, help="calibration/training text (.txt/.jsonl/.json; "
-                                                      "default: embedded TinyStories calibration slice)")
+    parser.add_argument("--calib", action="append", default=None,
+                        help="calibration/training text: a .txt/.jsonl/.json/.parquet file or a folder of them; "
+                             "repeatable (the texts joined); more than 64 MiB is tokenised once into a cached, "
+                             "memory-mapped token file and streamed (default: embedded TinyStories calibration "
+                             "slice)")
     parser.add_argument("--eval", action="append", default=None,
                         help="held-out evaluation text (default: embedded TinyStories evaluation slice, disjoint "
                              "from --calib); repeatable: the metrics use the first, a method's analysis all "

@@ -42,7 +42,7 @@ class Distillation:
 
 
 def _windows(source: TextSource, tokenizer, seq_len: int, max_tokens: int) -> list[Tensor]:
-    stream = token_stream(source, tokenizer)[:max_tokens]
+    stream = token_stream(source, tokenizer)[:max_tokens].long()
     return [w for w in stream.split(seq_len) if len(w) >= 2]
 
 

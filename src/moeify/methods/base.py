@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from moeify.arch import DecoderAdapter
+from moeify.calibration.corpus import FileCorpus
 from moeify.calibration.data import TextSource
 from moeify.runtime.moe import set_packed_widths
 
@@ -25,7 +26,7 @@ class ConversionContext:
 
     model: PreTrainedModel
     tokenizer: Any
-    calib: TextSource
+    calib: TextSource | FileCorpus
     seed: int
     device: torch.device
     progress: bool = True

@@ -142,7 +142,7 @@ def random_windows(stream: Tensor, seq_len: int, batch_size: int, generator: tor
     if len(stream) <= seq_len:
         raise ValueError(f"training text has {len(stream)} tokens, fewer than seq_len={seq_len} + 1")
     starts = torch.randint(0, len(stream) - seq_len, (batch_size,), generator=generator)
-    return torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
+    return torch.stack([stream[s:s + seq_len] for s in starts.tolist()]).long()
 
 
 def epoch(samples: int, batch_size: int, **plan: Any) -> TrainPlan:
@@ -160,7 +160,7 @@ def epoch_windows(stream: Tensor, seq_len: int, samples: int, seed: int) -> Tens
                          f"fewer than the {samples} samples asked for")
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(slots, generator=generator)[:samples]
-    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()])
+    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()]).long()
 
 
 def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator,
