@@ -61,6 +61,7 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "more": ("more", {}),
     "more_random": ("more", {"variant": "random"}),
     "more_backbone": ("more", {"variant": "backbone"}),
+    "more_naive": ("more", {"variant": "naive"}),
     "static_prune_apr0.8": ("static_prune", {"apr": 0.8}),
     "teal_apr0.8": ("teal", {"apr": 0.8}),
     "cmoe_apr0.8": ("cmoe", {"apr": 0.8}),

@@ -3,7 +3,8 @@
 Per converted layer, from calibration activations streamed one decoder layer at a time:
 
 1. Statistics (§2.2, Eq. 3-7): activation channel sets S(t) = TopK(|h|, k_act), k_act =
-   max(1, floor(act_ratio m)); frequency f, co-activation C and the mean squares E[x^2], E[h^2],
+   max(1, floor(act_ratio m)), act_ratio 0.05 by default (the paper gives only App. D.2's 7-14 of 14,336
+   channels); frequency f, co-activation C and the mean squares E[x^2], E[h^2],
    accumulated on the fly (``CoActivation``: memory O(m^2)).
 2. Backbone (Eq. 8): the k_share channels of largest importance s_j (Eq. 7). The paper writes Eq. 7
    for the up projection only ("we will not consider gate projections"); gated MLPs use W_up alone.
@@ -13,11 +14,17 @@ Per converted layer, from calibration activations streamed one decoder layer at 
    least-linked channels, undersize ones take the best-linked channels of petals that can spare them
    (``bound_cluster_sizes``).
 4. Routing (§2.3, Eq. 9-13): calibration tokens are assigned to the expert of largest activation energy
-   |h_{E_i}|_2 / |E_i|^alpha; each expert's prototype mu_i is the mean MLP input x of its tokens; at
+   |h_{E_i}|_2 / |E_i|^alpha (alpha 0 by default: Eq. 9 gives it no value); each expert's prototype mu_i is the mean MLP input x of its tokens; at
    inference the token goes to the expert of largest cosine similarity (top-1, unit weight). An expert
    no calibration token chose keeps a zero prototype (similarity 0).
 5. Layer selection and budget (§E.4, F.2): see ``more_budget``; the achieved PR (uniform routing) is
    recorded.
+
+act_ratio and alpha were chosen on calibration text only (``benchmarks/bench_more_sweep.py``, SmolLM2-135M,
+calibrated on one half of WikiText-2 valid and scored on the other, PR 0.2; perplexities in
+``benchmarks/results/more_sweep.jsonl``): alpha 0 beats 0.5 and 1 (30.61 / 32.07 / 34.43 at act_ratio
+0.05), and at alpha 0 act_ratio 0.05 and 0.1 tie (30.61 / 30.63) ahead of 0.02 (32.37); at alpha 0.5 the
+ratios 0.001-0.1 score 32.07-34.46, best at 0.05.
 
 The layer is an ``MoeMLP`` whose shared part is the backbone and whose experts are the petals, so only
 the backbone and the chosen petal are computed.

@@ -16,12 +16,14 @@ from moeify.options import OptionError, method_config, option, require_at_most
 @method_config
 class MoreConfig:
     num_experts: int = option(4, "r: petals (routed experts) per layer", low=2)
-    act_ratio: float = option(0.1, "rho_act: share of channels in each token's activation set (not a paper value: "
-                                   "its App. D.2 uses k_act = 7-14 of 14,336 channels)", low=0.0, high=1.0,
+    act_ratio: float = option(0.05, "rho_act: share of channels in each token's activation set (not a paper value: "
+                                    "its App. D.2 uses k_act = 7-14 of 14,336 channels; chosen by "
+                                    "benchmarks/bench_more_sweep.py on calibration text)", low=0.0, high=1.0,
                               low_open=True)
     share_ratio: float | None = option(None, "rho_share: backbone share; default: solved from target_pr",
                                        low=0.0, high=1.0, low_open=True)
-    alpha: float = option(0.5, "alpha of the activation energy (Eq. 9; the paper gives no value)", low=0.0, high=1.0)
+    alpha: float = option(0.0, "alpha of the activation energy |h_E| / |E|^alpha (Eq. 9; the paper gives no value; "
+                               "chosen by benchmarks/bench_more_sweep.py)", low=0.0, high=1.0)
     layers: str = option("middle-deep", "middle-deep | uniform | early-middle | a list like 1,2,3")
     target_pr: float | None = option(0.2, "target pruning rate PR = 1 - APR (Eq. 17); none with share_ratio",
                                      low=0.0, high=1.0, low_open=True)
