@@ -3,6 +3,7 @@ the dense model in the same run, and written atomically. Returns values, prints 
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,9 @@ from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_speed
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
-from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, working_dtype
+from moeify.api.plan import check_fits, method_plan
+from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, model_source, working_dtype
+from moeify.planning import GIB, ModelShape
 from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
@@ -63,8 +66,8 @@ def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: Text
 def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
             calib: str | Path | list[str | Path] | None = None, eval: str | Path | list[str | Path] | None = None,
             seed: int = 0, device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
-            measure_speed: bool = True, progress: bool = False,
-            work_dir: str | Path | None = None) -> ConversionResult:
+            measure_speed: bool = True, progress: bool = False, work_dir: str | Path | None = None,
+            check_memory: bool = True) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
     ``calib``: the calibration/training text, a file, a folder or a list (large corpora are streamed from a
@@ -72,7 +75,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     method's analysis (e.g. DSMoE's per-data-set heatmap) covers them all.
     ``work_dir`` is where a method keeps state across runs (training checkpoints to resume from); the
     CLI uses ``<out>.work`` beside the output folder. ``dtype``: the working dtype (default: the
-    checkpoint's own; see ``moeify.loading``). Everything that can be validated is validated before the
+    checkpoint's own; see ``moeify.loading``). ``check_memory``: refuse at once a conversion whose estimated
+    peak (``moeify.planning``) exceeds the device's free memory, naming what would make it fit. Everything that can be validated is validated before the
     model's weights are loaded."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
@@ -92,7 +96,12 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
 
     check_device(device)
     torch.manual_seed(seed)
-    working_dtype(dtype, None)  # a bad name fails before the weights load
+    gguf = model_source(model).gguf_file is not None
+    memory = method_plan(ModelShape.from_config(model_config, str(model or EMBEDDED_MODEL)), spec, config,
+                         working_dtype(dtype, None if gguf else model_config), seq_len,
+                         mapped=torch.device(device).type == "cpu" and not gguf)
+    if check_memory:
+        check_fits(memory, device)
     dense, tokenizer = load_model(model, device, dtype)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
     ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress,
@@ -132,6 +141,10 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
             "tokens_per_s": speed[0], "speedup": speed[0] / dense_speed[0],
             "spread": {"dense": dense_speed[1], "moe": speed[1]}, "repeats": 5, "warmup": 2},
         "timings": timings,
+        "memory": {"plan_gib": round(memory.peak / GIB, 2), "plan_phase": memory.peak_phase,
+                   "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                   "peak_device_gib": round(torch.cuda.max_memory_allocated() / GIB, 2)
+                   if torch.device(device).type == "cuda" else None},
         "artifacts": sorted(artifacts),
         "details": details,
         "versions": library_versions(),

@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(parser)
     parser.add_argument("--seq-len", type=int, default=None, help="evaluation window (default: model context)")
     parser.add_argument("--no-speed", action="store_true", help="skip the dense-vs-MoE throughput measurement")
+    parser.add_argument("--no-memory-check", action="store_true",
+                        help="convert even if `moeify plan`'s estimated peak exceeds the free memory")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.set_defaults(run=run)
 
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     with output_lock(args.out) if is_main() else contextlib.nullcontext():
         result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
                                 seed=args.seed, device=args.device, dtype=args.dtype, eval_seq_len=args.seq_len,
-                                measure_speed=not args.no_speed, progress=is_main(), work_dir=work_dir)
+                                measure_speed=not args.no_speed, progress=is_main(), work_dir=work_dir,
+                                check_memory=not args.no_memory_check)
         if not is_main():
             return 0  # the main process writes and reports
         for warning in result.warnings:
@@ -72,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
             ("activated param ratio (APR)", f"{rec['active']['apr']:.3f}"),
             (f"as the paper counts it ({rec['paper_ratio']['kind']})", f"{rec['paper_ratio']['value']:.3f}"),
             ("active / total params", f"{rec['active']['active_params']:,.0f} / {rec['active']['total_params']:,}"),
-            ("conversion time", f"{rec['timings']['convert_s']:.1f} s")]
+            ("conversion time", f"{rec['timings']['convert_s']:.1f} s"),
+            ("peak memory", f"{rec['memory']['peak_rss_gib']:.2f} GiB resident (`moeify plan`: "
+                            f"{rec['memory']['plan_gib']:.2f} GiB, at {rec['memory']['plan_phase']})")]
     if rec["speed"]:
         s = rec["speed"]
         rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']}, median of {s['repeats']})",

@@ -8,10 +8,20 @@ import signal
 import sys
 from pathlib import Path
 
-from moeify.cli import analyze_cmd, bench_cmd, compare_cmd, convert_cmd, eval_cmd, export_cmd, methods_cmd, report_cmd
+from moeify.cli import (
+    analyze_cmd,
+    bench_cmd,
+    compare_cmd,
+    convert_cmd,
+    eval_cmd,
+    export_cmd,
+    methods_cmd,
+    plan_cmd,
+    report_cmd,
+)
 from moeify.version import __version__
 
-COMMANDS = (convert_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd, analyze_cmd)
+COMMANDS = (convert_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd, analyze_cmd, plan_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

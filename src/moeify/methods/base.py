@@ -14,6 +14,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import FileCorpus
 from moeify.calibration.data import TextSource
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import set_packed_widths
 
 
@@ -61,7 +62,10 @@ class Method:
     activated ratio (a key of ``moe.accounting.PAPER_RATIOS``), recorded beside the APR. ``partitions_mlp``:
     the method's MoE layers split the dense MLP's neurons among the shared part and the experts, so every
     expert on with unit weight (``MoeMLP.forward_all_experts``) reproduces the dense MLP (before any
-    training): the identity the method x family tests pin."""
+    training): the identity the method x family tests pin. ``memory(shape, config, dtype bytes)``: the
+    method's part of the peak-memory estimate (``moeify.planning``); ``inference_copy``: whether its layers
+    hold a packed copy of their experts at inference (``runtime.moe``: routed, disjoint experts; not a
+    static pruning, nor ToMoE's experts stored once)."""
 
     name: str
     paper: str
@@ -75,6 +79,8 @@ class Method:
     model_analysis: ModelAnalysis | None = None
     paper_ratio: str = "apr"
     partitions_mlp: bool = False
+    memory: Callable[[ModelShape, Any, int], MethodMemory] = method_memory
+    inference_copy: bool = True
 
     def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
         """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load

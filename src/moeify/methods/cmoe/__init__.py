@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from moeify.methods.base import Method
 from moeify.methods.cmoe.config import CmoeConfig, match_budget
-from moeify.methods.cmoe.convert import convert
+from moeify.methods.cmoe.convert import convert, memory
 
 CMOE = Method(
     name="cmoe",
@@ -46,6 +46,7 @@ CMOE = Method(
     match_budget=match_budget,
     paper_ratio="ffn",
     partitions_mlp=True,
+    memory=memory,
 )
 
 __all__ = ["CMOE", "CmoeConfig"]

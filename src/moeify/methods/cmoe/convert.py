@@ -16,6 +16,7 @@ from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext
 from moeify.methods.cmoe.analysis import routing_errors, routing_summary
 from moeify.methods.cmoe.config import CmoeConfig
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.moe.build import load_neurons_, moe_from_partition
 from moeify.moe.partition import (
     ExpertPartition,
@@ -124,3 +125,12 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
 
         details["finetune"] = finetune(ctx, cfg, seq_len)
     return details
+
+
+def memory(shape: ModelShape, cfg: CmoeConfig, nbytes: int) -> MethodMemory:
+    """Per layer: the MLP inputs X of every calibration token (captured, then concatenated), ATopK's float32
+    unit-norm weights and hidden activations (gate, up, product) with the markers A (Eq. 5-6)."""
+    q = cfg.calib_samples * cfg.effective_seq_len(shape.config)
+    d, m = shape.hidden, shape.intermediate
+    return method_memory(shape, cfg, nbytes, layer_statistics=2 * q * d * nbytes + 3 * q * m * 4 + q * m
+                         + 3 * m * d * 4)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from moeify.methods.base import Method
 from moeify.methods.more.config import MoreConfig, match_budget
-from moeify.methods.more.convert import convert
+from moeify.methods.more.convert import convert, memory
 
 MORE = Method(
     name="more",
@@ -53,6 +53,7 @@ MORE = Method(
     convert=convert,
     match_budget=match_budget,
     partitions_mlp=True,
+    memory=memory,
 )
 
 __all__ = ["MORE", "MoreConfig"]

@@ -15,6 +15,7 @@ from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import CoActivation
 from moeify.calibration.stream import stream_layers
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.methods.base import ConversionContext
 from moeify.methods.more.config import MoreConfig
 from moeify.methods.more.layer_budget import (
@@ -131,3 +132,12 @@ def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
         layers.append({"layer": step.index, **info})
     return {"layers": layers, "converted_layers": budget.layers, "pruning_rate_uniform": budget.pruning_rate,
             "calibration": {"samples": cfg.calib_samples, "seq_len": cfg.seq_len, "tokens": int(batches.numel())}}
+
+
+def memory(shape: ModelShape, cfg: MoreConfig, nbytes: int) -> MethodMemory:
+    """Per converted layer: the float64 co-activation matrix C (m x m) and what the spectral clustering
+    makes of it (the affinity, its normalisation, eigh's workspace: about three more), and one stream
+    batch's float32 hidden activations and activation-set marks."""
+    m = shape.intermediate
+    batch_tokens = 8 * cfg.seq_len
+    return method_memory(shape, cfg, nbytes, layer_statistics=4 * 8 * m * m + 4 * batch_tokens * m * 4)

@@ -41,6 +41,7 @@ STATIC_PRUNE = Method(
     config_cls=StaticPruneConfig,
     convert=convert,
     match_budget=match_budget,
+    inference_copy=False,
 )
 
 __all__ = ["STATIC_PRUNE", "StaticPruneConfig"]

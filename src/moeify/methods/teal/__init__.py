@@ -32,6 +32,7 @@ TEAL = Method(
     config_cls=TealConfig,
     convert=convert,
     match_budget=match_budget,
+    inference_copy=False,
 )
 
 __all__ = ["TEAL", "TealConfig"]

@@ -39,6 +39,7 @@ from moeify.methods.base import Method
 from moeify.methods.tomoe.config import TomoeConfig, match_budget
 from moeify.methods.tomoe.convert import convert
 from moeify.methods.tomoe.pseudo_moe import set_pseudo_moe
+from moeify.methods.tomoe.train import memory
 
 TOMOE = Method(
     name="tomoe",
@@ -49,6 +50,8 @@ TOMOE = Method(
     convert=convert,
     match_budget=match_budget,
     runtime_options={"pseudo_moe": set_pseudo_moe},
+    memory=memory,
+    inference_copy=False,
 )
 
 __all__ = ["TOMOE", "TomoeConfig"]

@@ -26,9 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from moeify.calibration.data import token_stream
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.methods.base import ConversionContext
 from moeify.methods.tomoe.config import TomoeConfig
 from moeify.methods.tomoe.modules import (
+    EMBED_DIM,
     AttentionMasks,
     HyperNetwork,
     LayerModules,
@@ -187,3 +189,11 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
     theta.eval()
     return {**log.summary(), "curves": log.as_dict()["parts"],
             "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
+
+
+def memory(shape: ModelShape, cfg: TomoeConfig, nbytes: int) -> MethodMemory:
+    """The weights stay frozen: what trains is Theta (per layer Proj_D^MLP's 128 x d_mid and the d x N
+    router; the hypernetwork and attention projections are smaller), and the masked MLPs keep their
+    (tokens, d_mid) masks and masked activations for the backward pass."""
+    trainable = shape.layers * (EMBED_DIM * shape.intermediate + shape.hidden * cfg.num_experts)
+    return method_memory(shape, cfg, nbytes, trainable=trainable, extra_train_activations=2 * shape.intermediate * 4)

@@ -1,0 +1,78 @@
+"""``plan``: the peak memory a conversion will need, from the model's config alone (no weights read), and
+the check ``convert`` makes with it before loading anything."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeify.loading import load_config, model_source, working_dtype
+from moeify.methods import Method, get_method
+from moeify.options import OptionError, build_config
+from moeify.planning import GIB, PRESETS, MemoryPlan, ModelShape, plan_memory, preset_shape
+
+
+def model_shape(model: str | Path | None) -> ModelShape:
+    """A preset's shape (``moeify.planning.PRESETS``: llama-2-7b, ...) or that of a checkpoint's config."""
+    if model is not None and str(model) in PRESETS:
+        return preset_shape(str(model))
+    return ModelShape.from_config(load_config(model), str(model or "embedded:stories260K"))
+
+
+def plan(model: str | Path | None, method: str, options: dict[str, Any] | None = None, *,
+         dtype: str | torch.dtype | None = None, eval_seq_len: int | None = None, device: str = "cpu") -> MemoryPlan:
+    """The memory plan of converting ``model`` (a path, a hub name, a GGUF file or a preset) with ``method``
+    on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16)."""
+    spec = get_method(method)
+    config = build_config(spec.config_cls, options or {})
+    shape = model_shape(model)
+    default = torch.bfloat16 if str(model) in PRESETS else None
+    work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default
+    gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
+    return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, mapped=device == "cpu"
+                       and not gguf)
+
+
+def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int,
+                mapped: bool) -> MemoryPlan:
+    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype``; ``mapped``: the
+    checkpoint is a memory-mapped safetensors file (a CPU conversion of one)."""
+    memory = spec.memory(shape, config, torch.finfo(dtype).bits // 8)
+    return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy, mapped=mapped)
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes free for a conversion on ``device`` (CPU: the kernel's MemAvailable), or None if unknown."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+
+
+def check_fits(memory: MemoryPlan, device: str) -> None:
+    """Refuse, before any weight is read, a conversion whose estimated peak exceeds what ``device`` has free,
+    naming what would make it fit."""
+    free = available_memory(device)
+    if free is None or memory.peak <= free:
+        return
+    phase = memory.peak_phase
+    hints = []
+    if memory.dtype == torch.float32:
+        hints.append("--dtype bfloat16 (half the weights)")
+    if phase == "convert":
+        hints.append("fewer calibration windows (--set calib_samples=...) or a shorter --set seq_len")
+    elif phase == "train":
+        hints.append("a smaller micro-batch (--set grad_accum=...) and --set recompute=true")
+    else:
+        hints.append("a shorter evaluation window (--seq-len)")
+    hints.append("a machine or device with more memory")
+    raise OptionError(f"this conversion needs about {memory.peak / GIB:.1f} GiB at its peak ({phase}), and "
+                      f"{device} has {free / GIB:.1f} GiB free; try {', or '.join(hints)} "
+                      f"(`moeify plan` shows the estimate by part)")

@@ -1,0 +1,70 @@
+"""``moeify plan``: the estimated peak memory and work of a conversion, before anything heavy runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moeify.cli.format import print_table
+from moeify.methods import DEFAULT_METHOD, METHODS
+from moeify.planning import GIB, PRESETS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "plan", help="estimate a conversion's peak memory from the model's config (no weights read)",
+        description="Estimate the peak memory of `moeify convert MODEL --method M` by phase (dense evaluation, "
+                    "calibration, training, MoE evaluation) from the model's config alone, and the work in "
+                    "tokens x layers. MODEL may be a checkpoint, a GGUF file, a hub name or a preset shape: "
+                    + ", ".join(PRESETS) + " (bfloat16 unless --dtype says otherwise). `convert` makes the same "
+                    "estimate and stops at once when it exceeds the free memory.")
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint, GGUF file, hub name or preset")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=[m.name for m in METHODS])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="method option, repeatable")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="working dtype (default: the checkpoint's own)")
+    parser.add_argument("--seq-len", type=int, default=None, help="evaluation window (default: the model's context)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the conversion runs (on the CPU a safetensors checkpoint stays memory-mapped)")
+    parser.add_argument("--table", action="store_true",
+                        help="the README's table: every method's peak on every preset shape, bfloat16")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeify.api.plan import plan
+    from moeify.options import parse_assignments
+
+    if args.table:
+        print(table())
+        return 0
+    memory = plan(args.model, args.method, parse_assignments(args.set), dtype=args.dtype, eval_seq_len=args.seq_len,
+                  device=args.device)
+    record = memory.as_dict()
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return 0
+    rows = [("parameters", f"{memory.shape.params / 1e9:.2f} B ({record['dtype']})"),
+            ("process (Python, torch)", f"{record['process_gib']:.2f} GiB")]
+    for phase, parts in record["phases_gib"].items():
+        detail = ", ".join(f"{name} {value:.2f}" for name, value in parts.items() if value)
+        rows.append((phase, f"{sum(parts.values()):.2f} GiB ({detail})"))
+    rows.append(("peak", f"{record['peak_gib']:.2f} GiB ({record['peak_phase']})"))
+    rows += [(name, f"{value:,}") for name, value in record["work"].items() if value]
+    print_table(f"moeify plan {memory.shape.name} --method {args.method}", rows)
+    return 0
+
+
+def table() -> str:
+    """Markdown: the peak (GiB) of every method's default conversion of every preset shape in bfloat16 on one
+    GPU (the checkpoint not memory-mapped)."""
+    from moeify.api.plan import plan
+
+    lines = ["| model | params | " + " | ".join(m.name for m in METHODS) + " |",
+             "|---|---|" + "---|" * len(METHODS)]
+    for name in PRESETS:
+        plans = [plan(name, m.name, device="cuda") for m in METHODS]
+        lines.append(f"| {name} | {plans[0].shape.params / 1e9:.2f} B | "
+                     + " | ".join(f"{p.peak / GIB:.0f}" for p in plans) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""Peak memory of a conversion, estimated from the model's config before any weight is read: ``moeify plan``,
+and the check ``convert`` makes before loading the weights.
+
+A conversion runs in phases, each holding the model's weights plus its own working set; the peak is the
+largest phase plus what the process itself holds (Python, torch, transformers: measured here):
+
+- ``evaluate dense``: the dense perplexity pass, ``EVAL_BATCH`` windows of the evaluation length at once:
+  a decoder layer's activations (torch's attention kernels keep no seq x seq matrix) and one chunk of
+  logits (``LOGIT_CHUNK`` positions) with their float32 copy and log-softmax.
+- ``convert``: calibration, one decoder layer at a time (``calibration.stream``): every calibration
+  window's hidden states twice (a layer's inputs and outputs), and the method's per-layer statistics
+  (``Method.memory``: e.g. CMoE's (tokens x d_ff) activations and markers, MoRE's float64 co-activation
+  matrix and its spectral decomposition).
+- ``train`` (methods that train): gradients and AdamW's two moments of what is trained, in the working
+  dtype, the activations a step keeps (with recomputation: every decoder layer's input plus one layer's
+  working set) and a chunk of logits.
+- ``evaluate MoE``: as the dense pass, plus the packed copy of the routed experts an MoE layer holds at
+  inference (``runtime.moe``: at most the converted layers' MLP weights).
+
+On the CPU a safetensors checkpoint stays memory-mapped: its pages count once read, and what a
+conversion writes (new expert weights, trained weights: copy-on-write) comes on top of them, so the
+estimate adds the converted MLPs' weights (and a trained copy) there; on a GPU the replaced weights are
+freed. Everything is for one process; data-parallel processes each hold all of it. The estimate was checked
+against the peak resident memory of conversions of a 1.1B-parameter model (``benchmarks/bench_memory.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
+
+from moeify.arch import DecoderAdapter
+
+GIB = 2**30
+PROCESS_BYTES = int(0.45 * GIB)  # Python, torch, transformers and moeify: a 260K-parameter conversion's peak
+EVAL_BATCH = 8                   # windows per forward in ``evaluation.perplexity``
+LOGIT_CHUNK = 1024               # positions whose logits exist at once (``evaluation.perplexity``)
+
+# Shapes of the models the papers convert (their published configs), for plans without a checkpoint.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
+    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model, counted on the meta device (no weights)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    context: int
+    params: int
+    mlp_params: int  # all decoder layers' MLPs
+    config: PreTrainedConfig = field(repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, config: PreTrainedConfig, name: str) -> ModelShape:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        adapter = DecoderAdapter(model)
+        mlp = sum(p.numel() for i in range(adapter.num_layers) for p in adapter.mlp_module(i).parameters())
+        return cls(name, config.hidden_size, config.intermediate_size, adapter.num_layers,
+                   config.vocab_size, config.max_position_embeddings, sum(p.numel() for p in model.parameters()),
+                   mlp, config)
+
+
+def preset_shape(name: str) -> ModelShape:
+    return ModelShape.from_config(LlamaConfig(**PRESETS[name]), name)
+
+
+@dataclass(frozen=True)
+class MethodMemory:
+    """A method's part of the estimate (``Method.memory``): the calibration windows it streams, its
+    largest per-layer statistics (bytes), and, if it trains, how many parameters and tokens per
+    micro-batch, with or without recomputation."""
+
+    calib_tokens: int = 0
+    layer_statistics: int = 0
+    trainable: int = 0
+    train_tokens: int = 0
+    recompute: bool = True
+    extra_train_activations: int = 0  # bytes per token and layer beyond a plain decoder layer's
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per phase (each: {part: bytes}) and the work in tokens x layers."""
+
+    shape: ModelShape
+    dtype: torch.dtype
+    phases: dict[str, dict[str, int]]
+    work: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return PROCESS_BYTES + max(sum(parts.values()) for parts in self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.shape.name, "params": self.shape.params, "dtype": str(self.dtype).removeprefix("torch."),
+                "peak_gib": round(self.peak / GIB, 2), "peak_phase": self.peak_phase,
+                "process_gib": round(PROCESS_BYTES / GIB, 2),
+                "phases_gib": {phase: {k: round(v / GIB, 3) for k, v in parts.items()}
+                               for phase, parts in self.phases.items()},
+                "work": self.work}
+
+
+def _layer_activations(shape: ModelShape, tokens: int, nbytes: int) -> int:
+    """One decoder layer's working set on ``tokens`` positions (q, k, v, attention output, residuals, the
+    MLP's gate, up and product)."""
+    return tokens * (8 * shape.hidden + 4 * shape.intermediate) * nbytes
+
+
+def _logits(shape: ModelShape, positions: int, nbytes: int) -> int:
+    """A chunk of logits in the working dtype, its float32 copy and its log-softmax."""
+    return min(positions, LOGIT_CHUNK) * shape.vocab * (nbytes + 8)
+
+
+def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
+                inference_copy: bool = True, mapped: bool = True) -> MemoryPlan:
+    """The estimate of a conversion of ``shape`` in ``dtype`` (see the module docstring); ``inference_copy``:
+    the converted layers hold a packed copy of their experts at inference (routed, disjoint experts);
+    ``mapped``: the checkpoint stays memory-mapped beside what the conversion writes (CPU, safetensors)."""
+    b = torch.finfo(dtype).bits // 8
+    weights = shape.params * b
+    written = shape.mlp_params * b if mapped else 0  # the converted MLPs, beside the mapped checkpoint
+    eval_tokens = EVAL_BATCH * eval_seq_len
+    evaluation = {"weights": weights, "activations": _layer_activations(shape, eval_tokens, b),
+                  "logits": _logits(shape, eval_tokens, b)}
+    phases = {"evaluate dense": evaluation}
+    if method.calib_tokens or method.layer_statistics:
+        phases["convert"] = {"weights": weights, "converted weights": written,
+                             "calibration hidden states": 2 * method.calib_tokens * shape.hidden * b,
+                             "layer statistics": method.layer_statistics}
+    if method.train_tokens:
+        tokens = method.train_tokens
+        per_layer = _layer_activations(shape, tokens, b) + tokens * method.extra_train_activations
+        kept = shape.layers * tokens * shape.hidden * b + per_layer if method.recompute else shape.layers * per_layer
+        phases["train"] = {"weights": weights, "converted weights": written,
+                           "trained copy": method.trainable * b if mapped else 0, "gradients": method.trainable * b,
+                           "optimizer": 2 * method.trainable * b, "activations": kept,
+                           "logits": _logits(shape, tokens, b)}
+    phases["evaluate MoE"] = {**evaluation, "converted weights": written,
+                              "packed experts": shape.mlp_params * b if inference_copy else 0}
+    work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
+            "training tokens per micro-batch x layers": method.train_tokens * shape.layers}
+    return MemoryPlan(shape, dtype, phases, work)
+
+
+def calibration_seq_len(shape: ModelShape, cfg: Any) -> int:
+    """The calibration window a config asks for (its own default where it has one)."""
+    if hasattr(cfg, "effective_seq_len"):
+        return cfg.effective_seq_len(shape.config)
+    return getattr(cfg, "seq_len", None) or min(2048, shape.context)
+
+
+def method_memory(shape: ModelShape, cfg: Any, nbytes: int, *, layer_statistics: int | None = None,
+                  trainable: int | None = None, extra_train_activations: int = 0) -> MethodMemory:
+    """A method's part of the estimate from its config's common options: ``calib_samples`` x the
+    calibration window; the training phase of ``steps`` (every parameter trained, unless ``trainable``
+    says otherwise) or of a LoRA fine-tune (``finetune_steps`` / ``finetune_samples``: LoRA's own
+    parameters, below 1 % of the model, are not counted); ``layer_statistics`` by default what one
+    calibration window's MLP hidden activations take in float32 (gate, up and their product)."""
+    seq = calibration_seq_len(shape, cfg)
+    calib = getattr(cfg, "calib_samples", 0) * seq
+    stats = 3 * seq * shape.intermediate * 4 if layer_statistics is None else layer_statistics
+    memory = MethodMemory(calib_tokens=calib, layer_statistics=stats if calib else 0)
+    steps, finetunes = getattr(cfg, "steps", 0), getattr(cfg, "finetunes", False)
+    if not (steps or finetunes):
+        return memory
+    batch = cfg.finetune_batch_size if finetunes else cfg.batch_size
+    train_seq = (getattr(cfg, "finetune_seq_len", None) or seq) if finetunes else seq
+    count = 0 if finetunes else (shape.params if trainable is None else trainable)
+    return MethodMemory(calib, memory.layer_statistics, count, batch // cfg.grad_accum * train_seq, cfg.recompute,
+                        extra_train_activations)

@@ -1,0 +1,67 @@
+"""``moeify plan``: peak-memory estimates from a config alone, and the check ``convert`` makes before loading."""
+
+import importlib
+import json
+
+import pytest
+
+import moeify
+from moeify.api import plan as plan_api
+from moeify.api.plan import plan
+from moeify.cli.main import main
+from moeify.methods import METHODS
+from moeify.options import OptionError
+from moeify.planning import GIB, PRESETS
+
+
+def test_presets_are_the_published_shapes():
+    assert {name: round(plan(name, "cmoe").shape.params / 1e9, 2) for name in PRESETS} == \
+        {"llama-2-7b": 6.74, "llama-3-8b": 8.03, "llama-2-13b": 13.02, "llama-2-70b": 68.98}
+
+
+def test_every_method_plans_its_phases_from_its_options():
+    for method in METHODS:
+        memory = plan("llama-2-7b", method.name)
+        weights = 6.74e9 * 2
+        assert memory.phases["evaluate dense"]["weights"] == pytest.approx(weights, rel=0.01)
+        assert memory.peak > weights and memory.peak_phase in memory.phases
+    cmoe = plan("llama-2-7b", "cmoe")
+    assert plan("llama-2-7b", "cmoe", {"calib_samples": 32}).phases["convert"]["layer statistics"] > \
+        cmoe.phases["convert"]["layer statistics"]
+    assert plan("llama-2-7b", "cmoe", dtype="float32").peak > 1.9 * cmoe.phases["evaluate dense"]["weights"]
+    dsmoe, tomoe = plan("llama-2-7b", "dsmoe"), plan("llama-2-7b", "tomoe")
+    assert dsmoe.peak_phase == "train" and dsmoe.phases["train"]["optimizer"] == 2 * dsmoe.phases["train"]["weights"]
+    assert tomoe.phases["train"]["gradients"] < 0.05 * tomoe.phases["train"]["weights"]  # weights frozen
+    assert tomoe.phases["evaluate MoE"]["packed experts"] == 0  # experts stored once
+    assert plan("llama-2-7b", "dsmoe", {"recompute": "false"}).phases["train"]["activations"] > \
+        10 * dsmoe.phases["train"]["activations"]
+    assert plan("llama-2-7b", "cmoe", {"finetune_steps": 10}).phases["train"]["gradients"] == 0  # LoRA: not counted
+    assert plan(None, "cmoe").shape.name == "embedded:stories260K"
+
+
+def test_convert_stops_before_loading_when_the_plan_does_not_fit(monkeypatch):
+    monkeypatch.setattr(plan_api, "available_memory", lambda device: GIB // 1000)
+    monkeypatch.setattr(importlib.import_module("moeify.api.convert"), "load_model",
+                        lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(OptionError, match=r"needs about 0\.\d GiB at its peak \(evaluate MoE\), and cpu has "
+                                          r"0\.0 GiB free; try --dtype bfloat16 .*a machine or device with more"):
+        moeify.convert(None, "cmoe", measure_speed=False)
+    assert main(["convert", "--method", "cmoe", "--out", "unused", "--no-speed"]) == 2
+
+
+def test_conversion_records_its_plan_and_measured_peak():
+    record = moeify.convert(None, "static_prune", measure_speed=False).record
+    assert record["memory"]["plan_phase"] == "evaluate MoE"  # the pruned copies beside the mapped checkpoint
+    assert 0 < record["memory"]["plan_gib"] < 2 and record["memory"]["peak_rss_gib"] > 0.1
+
+
+def test_plan_cli_prints_phases_json_and_the_readme_table(capsys):
+    assert main(["plan", "llama-2-70b", "--method", "more", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["params"] > 6.8e10 and record["dtype"] == "bfloat16" and record["peak_gib"] > 128
+    assert set(record["phases_gib"]) == {"evaluate dense", "convert", "evaluate MoE"}
+    assert main(["plan", "--method", "dsmoe", "--dtype", "float32"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert main(["plan", "--table"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("\n") == 6 and "| llama-3-8b | 8.03 B |" in table
