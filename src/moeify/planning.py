@@ -103,10 +103,11 @@ class MemoryPlan:
     dtype: torch.dtype
     phases: dict[str, dict[str, int]]
     work: dict[str, int]
+    process: int  # what the process holds besides the phases' parts (on a GPU: nothing of the device's)
 
     @property
     def peak(self) -> int:
-        return PROCESS_BYTES + max(sum(parts.values()) for parts in self.phases.values())
+        return self.process + max(sum(parts.values()) for parts in self.phases.values())
 
     @property
     def peak_phase(self) -> str:
@@ -115,7 +116,7 @@ class MemoryPlan:
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.shape.name, "params": self.shape.params, "dtype": str(self.dtype).removeprefix("torch."),
                 "peak_gib": round(self.peak / GIB, 2), "peak_phase": self.peak_phase,
-                "process_gib": round(PROCESS_BYTES / GIB, 2),
+                "process_gib": round(self.process / GIB, 2),
                 "phases_gib": {phase: {k: round(v / GIB, 3) for k, v in parts.items()}
                                for phase, parts in self.phases.items()},
                 "work": self.work}
@@ -133,10 +134,11 @@ def _logits(shape: ModelShape, positions: int, nbytes: int) -> int:
 
 
 def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
-                inference_copy: bool = True, mapped: bool = True) -> MemoryPlan:
+                inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True) -> MemoryPlan:
     """The estimate of a conversion of ``shape`` in ``dtype`` (see the module docstring); ``inference_copy``:
     the converted layers hold a packed copy of their experts at inference (routed, disjoint experts);
-    ``mapped``: the checkpoint stays memory-mapped beside what the conversion writes (CPU, safetensors)."""
+    ``mapped``: the checkpoint stays memory-mapped beside what the conversion writes (CPU, safetensors);
+    ``on_cpu``: the estimate is of the process's memory (else of the GPU's: the process's own not in it)."""
     b = torch.finfo(dtype).bits // 8
     weights = shape.params * b
     written = shape.mlp_params * b if mapped else 0  # the converted MLPs, beside the mapped checkpoint
@@ -160,7 +162,7 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
                               "packed experts": shape.mlp_params * b if inference_copy else 0}
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
             "training tokens per micro-batch x layers": method.train_tokens * shape.layers}
-    return MemoryPlan(shape, dtype, phases, work)
+    return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0)
 
 
 def calibration_seq_len(shape: ModelShape, cfg: Any) -> int:

@@ -98,8 +98,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     torch.manual_seed(seed)
     gguf = model_source(model).gguf_file is not None
     memory = method_plan(ModelShape.from_config(model_config, str(model or EMBEDDED_MODEL)), spec, config,
-                         working_dtype(dtype, None if gguf else model_config), seq_len,
-                         mapped=torch.device(device).type == "cpu" and not gguf)
+                         working_dtype(dtype, None if gguf else model_config), seq_len, device, gguf)
     if check_memory:
         check_fits(memory, device)
     dense, tokenizer = load_model(model, device, dtype)

@@ -32,16 +32,17 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     default = torch.bfloat16 if str(model) in PRESETS else None
     work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default
     gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
-    return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, mapped=device == "cpu"
-                       and not gguf)
+    return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf)
 
 
-def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int,
-                mapped: bool) -> MemoryPlan:
-    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype``; ``mapped``: the
-    checkpoint is a memory-mapped safetensors file (a CPU conversion of one)."""
+def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int, device: str,
+                gguf: bool) -> MemoryPlan:
+    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device``; a
+    CPU conversion of a safetensors checkpoint (not ``gguf``, which is dequantised) keeps it memory-mapped."""
     memory = spec.memory(shape, config, torch.finfo(dtype).bits // 8)
-    return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy, mapped=mapped)
+    on_cpu = torch.device(device).type == "cpu"
+    return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy,
+                       mapped=on_cpu and not gguf, on_cpu=on_cpu)
 
 
 def available_memory(device: str) -> int | None:
