@@ -2,6 +2,7 @@
 
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,7 @@ import moeify
 from moeify.api import plan as plan_api
 from moeify.api.plan import plan
 from moeify.cli.main import main
+from moeify.cli.plan_cmd import table
 from moeify.methods import METHODS
 from moeify.options import OptionError
 from moeify.planning import GIB, PRESETS
@@ -65,3 +67,8 @@ def test_plan_cli_prints_phases_json_and_the_readme_table(capsys):
     assert main(["plan", "--table"]) == 0
     table = capsys.readouterr().out
     assert table.count("\n") == 6 and "| llama-3-8b | 8.03 B |" in table
+
+
+def test_readme_plan_table_is_what_moeify_plan_prints():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "\n".join("  " + line for line in table().splitlines()) in readme

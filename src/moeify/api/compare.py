@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from moeify.api.convert import convert, save
-from moeify.files import MARKER, OutputExistsError, check_output_dir
 from moeify.arch import DecoderAdapter
+from moeify.files import MARKER, OutputExistsError, check_output_dir
 from moeify.methods import Method, get_method
 
 

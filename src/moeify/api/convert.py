@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from moeify.api.plan import check_fits, method_plan
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
@@ -20,13 +21,12 @@ from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_speed
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
-from moeify.api.plan import check_fits, method_plan
 from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, model_source, working_dtype
-from moeify.planning import GIB, ModelShape
 from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.options import OptionError, build_config
+from moeify.planning import GIB, ModelShape
 
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
 

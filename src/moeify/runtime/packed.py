@@ -121,7 +121,10 @@ def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Disp
         if not n:
             continue
         rows, pairs = experts.index[e], slice(start, start + n)
-        pick = lambda t: None if t is None else _padded_rows(t.index_select(0, rows), width)  # noqa: E731
+
+        def pick(t: Tensor | None, rows: Tensor = rows) -> Tensor | None:
+            return None if t is None else _padded_rows(t.index_select(0, rows), width)
+
         first = torch.cat([pick(neurons.gate.weight), pick(neurons.up.weight)]) if neurons.gated \
             else pick(neurons.up.weight)
         down = F.pad(experts.down.weight.index_select(1, rows), (0, width - len(rows)))

@@ -16,7 +16,6 @@ from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext
 from moeify.methods.cmoe.analysis import routing_errors, routing_summary
 from moeify.methods.cmoe.config import CmoeConfig
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.moe.build import load_neurons_, moe_from_partition
 from moeify.moe.partition import (
     ExpertPartition,
@@ -24,6 +23,7 @@ from moeify.moe.partition import (
     even_sizes,
     random_partition,
 )
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import RepresentativeRouter
 

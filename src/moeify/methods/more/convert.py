@@ -15,7 +15,6 @@ from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import CoActivation
 from moeify.calibration.stream import stream_layers
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.methods.base import ConversionContext
 from moeify.methods.more.config import MoreConfig
 from moeify.methods.more.layer_budget import (
@@ -29,6 +28,7 @@ from moeify.moe.build import moe_from_partition, static_layer
 from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import PrototypeRouter, RandomRouter
 

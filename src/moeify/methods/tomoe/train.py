@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 
 from moeify.calibration.data import token_stream
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.methods.base import ConversionContext
 from moeify.methods.tomoe.config import TomoeConfig
 from moeify.methods.tomoe.modules import (
@@ -38,6 +37,7 @@ from moeify.methods.tomoe.modules import (
     st_gumbel_sigmoid,
 )
 from moeify.moe.head_dim import head_dim_costs
+from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.training.loop import Checkpointing, TrainPlan, train
 from moeify.training.losses import distillation_kl, final_hidden_states
 
