@@ -11,7 +11,7 @@ from typing import Any
 
 from moeify.version import __version__
 
-__all__ = ["ConversionResult", "__version__", "convert", "evaluate", "load", "load_model", "save",
+__all__ = ["ConversionResult", "__version__", "convert", "evaluate", "load", "load_model", "plan", "save",
            "set_runtime_options"]
 
 

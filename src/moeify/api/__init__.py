@@ -1,6 +1,6 @@
 """The use cases, one module each: ``convert`` (and ``save``), ``evaluate`` (and runtime options),
 ``export`` (standard MoE formats), ``analyze`` (a method's analysis of a dense model), ``compare`` (every
-method at a matched budget). They return values and print nothing; ``moeify.cli`` prints."""
+method at a matched budget), ``plan`` (a conversion's peak memory, before it runs). They return values and print nothing; ``moeify.cli`` prints."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from moeify.api.compare import run_comparison
 from moeify.api.convert import ConversionResult, convert, save
 from moeify.api.evaluate import evaluate, set_runtime_options
 from moeify.api.export import check_formats, export_folder
+from moeify.api.plan import plan
 from moeify.loading import EMBEDDED_MODEL, load, load_model
 
 __all__ = ["EMBEDDED_MODEL", "ConversionResult", "LayerAnalysis", "analyze_layers", "check_formats", "convert",
-           "evaluate", "export_folder", "load", "load_model", "run_comparison", "save", "save_analysis",
+           "evaluate", "export_folder", "load", "load_model", "plan", "run_comparison", "save", "save_analysis",
            "set_runtime_options"]
