@@ -3,6 +3,8 @@ token file and streamed."""
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -22,7 +24,6 @@ def folder(tmp_path, calib_text):
     root.mkdir()
     (root / "a.txt").write_text("\n\n".join(paragraphs[:third]))
     (root / "b.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[third:2 * third]))
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"text": paragraphs[2 * third:], "id": list(range(len(paragraphs) - 2 * third))}),
                    root / "c.parquet")
     (root / "notes.csv").write_text("not read: not a corpus format")
@@ -89,7 +90,6 @@ def test_bad_corpora_are_refused_with_the_file_named(tmp_path, streamed, tokeniz
         read_corpus(empty)
     with pytest.raises(DataError, match=r"table\.csv.*not a format moeify reads"):
         read_corpus(empty / "table.csv")
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "wrong.parquet")
     with pytest.raises(DataError, match=r"wrong\.parquet: a \.parquet data file needs a 'text' column"):
         token_stream(read_corpus(tmp_path / "wrong.parquet"), tokenizer)

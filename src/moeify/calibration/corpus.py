@@ -185,10 +185,8 @@ def _jsonl_docs(file: Path) -> Iterator[Any]:
 
 
 def _parquet_docs(file: Path) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{file}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+    import pyarrow.parquet as pq  # here: ``import moeify`` stays light
+
     parquet = pq.ParquetFile(file)
     if "text" not in parquet.schema_arrow.names:
         raise DataError(f"{file}: a .parquet data file needs a 'text' column; it has {parquet.schema_arrow.names}")
