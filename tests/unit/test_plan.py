@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 import moeify
-from moeify.api import plan as plan_api
 from moeify.api.plan import plan
 from moeify.cli.main import main
 from moeify.cli.plan_cmd import table
 from moeify.methods import METHODS
 from moeify.options import OptionError
 from moeify.planning import GIB, PRESETS
+
+plan_api = importlib.import_module("moeify.api.plan")  # the module: ``moeify.api.plan`` is the function
 
 
 def test_presets_are_the_published_shapes():
