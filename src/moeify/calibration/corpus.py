@@ -73,7 +73,7 @@ def read_corpus(paths: str | Path | list[str | Path]) -> TextSource | FileCorpus
     if not isinstance(paths, list) and str(paths).startswith("embedded:"):
         return read_text(paths)
     files = corpus_files(paths)
-    if sum(f.stat().st_size for f in files) > IN_MEMORY_BYTES or any(f.suffix == ".parquet" for f in files):
+    if sum(f.stat().st_size for f in files) > IN_MEMORY_BYTES or any(f.suffix.lower() == ".parquet" for f in files):
         return FileCorpus(files)
     if len(files) == 1:
         return read_text(files[0])
