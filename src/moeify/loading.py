@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from moeify.export.native import is_native_folder, load_native, native_config
+from moeify.export.native import is_native_folder, load_native, native_config, native_model_class
+from moeify.offload import layered_model
 
 EMBEDDED_MODEL = "embedded:stories260K"
 GGUF_SUFFIX = ".gguf"
@@ -114,13 +116,19 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
     return load_native(Path(path), device, working_dtype(dtype, native_config(Path(path))))
 
 
-def load_model(model: str | Path | None = None, device: str = "cpu",
-               dtype: str | torch.dtype | None = None) -> tuple[PreTrainedModel, Any]:
+def load_model(model: str | Path | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
+               layer_by_layer: bool = False) -> tuple[PreTrainedModel, Any]:
     """(model, tokenizer) from a converted folder, a dense local folder or hub name, a GGUF file, or the
-    embedded default (``None``), in ``dtype`` (default: the checkpoint's own; float32 for GGUF)."""
+    embedded default (``None``), in ``dtype`` (default: the checkpoint's own; float32 for GGUF).
+
+    ``layer_by_layer``: only the weights outside the decoder layers are read now; each layer is read from
+    the checkpoint's safetensors files when a pass reaches it (``moeify.offload``: models larger than memory)."""
     check_device(device)
     source = model_source(model)
     if source.gguf_file is not None:
+        if layer_by_layer:
+            raise ValueError(f"{source}: layer-by-layer loading reads safetensors checkpoints, not GGUF files; "
+                             "load the GGUF file whole and save it, or convert it to safetensors first")
         return _load_gguf(source, device, working_dtype(dtype, None))
     folder = Path(source.path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -133,11 +141,33 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
         config = native_config(folder) if native else None
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, config=config)
     with _read_errors(source.path, "weights"):
+        if layer_by_layer:
+            return _load_layered(folder, config, device, dtype), tokenizer
         if native:
             return load_native(folder, device, working_dtype(dtype, config)), tokenizer
         dtype = working_dtype(dtype, AutoConfig.from_pretrained(source.path))
         dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     return dense.to(device).eval(), tokenizer
+
+
+def _load_layered(folder: Path, native: PreTrainedConfig | None, device: str,
+                  dtype: str | torch.dtype | None) -> PreTrainedModel:
+    """A local checkpoint folder (dense, or converted: ``native`` its config) held a decoder layer at a time."""
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r}: layer-by-layer loading reads a local checkpoint folder")
+    config = native if native is not None else AutoConfig.from_pretrained(folder)
+    model_cls = native_model_class(config) if native is not None else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    dtype = working_dtype(dtype, config)
+
+    def build() -> PreTrainedModel:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # as from_pretrained builds a model in its dtype
+        try:
+            return model_cls(config)
+        finally:
+            torch.set_default_dtype(default)
+
+    return layered_model(folder, build, dtype, device)
 
 
 @contextmanager

@@ -17,6 +17,10 @@ largest phase plus what the process itself holds (Python, torch, transformers: m
 - ``evaluate MoE``: as the dense pass, plus the packed copy of the routed experts an MoE layer holds at
   inference (``runtime.moe``: at most the converted layers' MLP weights).
 
+Held a decoder layer at a time (``moeify.offload``, ``--layer-by-layer``), a conversion holds the weights
+outside the decoder layers, one layer as read and as converted, and each pass's working set; the
+evaluation passes hold the hidden states of every evaluation window instead of one batch.
+
 On the CPU a safetensors checkpoint stays memory-mapped: its pages count once read, and what a
 conversion writes (new expert weights, trained weights: copy-on-write) comes on top of them, so the
 estimate adds the converted MLPs' weights (and a trained copy) there; on a GPU the replaced weights are
@@ -64,7 +68,13 @@ class ModelShape:
     context: int
     params: int
     mlp_params: int  # all decoder layers' MLPs
+    decoder_params: int  # all decoder layers
     config: PreTrainedConfig = field(repr=False, compare=False)
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer's parameters (their mean)."""
+        return self.decoder_params // self.layers
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig, name: str) -> ModelShape:
@@ -72,9 +82,10 @@ class ModelShape:
             model = AutoModelForCausalLM.from_config(config)
         adapter = DecoderAdapter(model)
         mlp = sum(p.numel() for i in range(adapter.num_layers) for p in adapter.mlp_module(i).parameters())
+        decoder = sum(p.numel() for p in adapter.layers.parameters())
         return cls(name, config.hidden_size, config.intermediate_size, adapter.num_layers,
                    config.vocab_size, config.max_position_embeddings, sum(p.numel() for p in model.parameters()),
-                   mlp, config)
+                   mlp, decoder, config)
 
 
 def preset_shape(name: str) -> ModelShape:
@@ -104,6 +115,7 @@ class MemoryPlan:
     phases: dict[str, dict[str, int]]
     work: dict[str, int]
     process: int  # what the process holds besides the phases' parts (on a GPU: nothing of the device's)
+    layer_by_layer: bool = False
 
     @property
     def peak(self) -> int:
@@ -116,7 +128,7 @@ class MemoryPlan:
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.shape.name, "params": self.shape.params, "dtype": str(self.dtype).removeprefix("torch."),
                 "peak_gib": round(self.peak / GIB, 2), "peak_phase": self.peak_phase,
-                "process_gib": round(self.process / GIB, 2),
+                "process_gib": round(self.process / GIB, 2), "layer_by_layer": self.layer_by_layer,
                 "phases_gib": {phase: {k: round(v / GIB, 3) for k, v in parts.items()}
                                for phase, parts in self.phases.items()},
                 "work": self.work}
@@ -134,11 +146,17 @@ def _logits(shape: ModelShape, positions: int, nbytes: int) -> int:
 
 
 def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
-                inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True) -> MemoryPlan:
+                inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True, layer_by_layer: bool = False,
+                eval_tokens: int | None = None) -> MemoryPlan:
     """The estimate of a conversion of ``shape`` in ``dtype`` (see the module docstring); ``inference_copy``:
     the converted layers hold a packed copy of their experts at inference (routed, disjoint experts);
     ``mapped``: the checkpoint stays memory-mapped beside what the conversion writes (CPU, safetensors);
-    ``on_cpu``: the estimate is of the process's memory (else of the GPU's: the process's own not in it)."""
+    ``on_cpu``: the estimate is of the process's memory (else of the GPU's: the process's own not in it);
+    ``layer_by_layer``: the model is held a decoder layer at a time (``moeify.offload``), its evaluation
+    then keeps every one of the ``eval_tokens`` positions' hidden states (default: one batch of windows)."""
+    if layer_by_layer:
+        return _plan_layer_by_layer(shape, method, dtype, eval_seq_len, inference_copy, on_cpu,
+                                    eval_tokens or EVAL_BATCH * eval_seq_len)
     b = torch.finfo(dtype).bits // 8
     weights = shape.params * b
     written = shape.mlp_params * b if mapped else 0  # the converted MLPs, beside the mapped checkpoint
@@ -163,6 +181,30 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
             "training tokens per micro-batch x layers": method.train_tokens * shape.layers}
     return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0)
+
+
+def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
+                         inference_copy: bool, on_cpu: bool, eval_tokens: int) -> MemoryPlan:
+    """``plan_memory`` of a model held a decoder layer at a time: the weights outside the layers, one layer
+    as read and as converted (its dtype copy and the method's new layer), and each pass's activations; the
+    evaluation passes keep every window's hidden states three times (a layer's inputs and outputs, and the
+    final states the scoring reads)."""
+    b = torch.finfo(dtype).bits // 8
+    resident = {"weights outside the layers": (shape.params - shape.decoder_params) * b,
+                "one layer, read and converted": 2 * shape.layer_params * b}
+    batch = EVAL_BATCH * eval_seq_len
+    evaluation = {**resident, "evaluation hidden states": 3 * eval_tokens * shape.hidden * b,
+                  "activations": _layer_activations(shape, min(batch, eval_tokens), b),
+                  "logits": _logits(shape, batch, b)}
+    phases = {"evaluate dense": evaluation}
+    if method.calib_tokens or method.layer_statistics:
+        phases["convert"] = {**resident, "calibration hidden states": 2 * method.calib_tokens * shape.hidden * b,
+                             "layer statistics": method.layer_statistics}
+    phases["evaluate MoE"] = {**evaluation, "packed experts": shape.mlp_params // shape.layers * b
+                              if inference_copy else 0}
+    work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
+            "training tokens per micro-batch x layers": 0}
+    return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0, layer_by_layer=True)
 
 
 def calibration_seq_len(shape: ModelShape, cfg: Any) -> int:

@@ -4,6 +4,7 @@ the dense model in the same run, and written atomically. Returns values, prints 
 from __future__ import annotations
 
 import resource
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +23,15 @@ from moeify.evaluation.speed import forward_speed
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
 from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, model_source, working_dtype
-from moeify.methods import DEFAULT_METHOD, ConversionContext, get_method
+from moeify.methods import DEFAULT_METHOD, METHODS, ConversionContext, Method, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
+from moeify.offload import layered_of
 from moeify.options import OptionError, build_config
 from moeify.planning import GIB, ModelShape
 
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
+CHARS_PER_TOKEN = 3  # for the memory plan's count of evaluation tokens: English BPE averages 4 or more
 
 
 @dataclass
@@ -41,6 +44,8 @@ class ConversionResult:
     record: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     artifacts: dict[str, bytes] = field(default_factory=dict)
+    layer_files: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # layer by layer: the
+    # converted layers' files (the model reads them), removed with the result
 
 
 def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:
@@ -67,7 +72,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
             calib: str | Path | list[str | Path] | None = None, eval: str | Path | list[str | Path] | None = None,
             seed: int = 0, device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
             measure_speed: bool = True, progress: bool = False, work_dir: str | Path | None = None,
-            check_memory: bool = True) -> ConversionResult:
+            check_memory: bool = True, layer_by_layer: bool = False) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
     ``calib``: the calibration/training text, a file, a folder or a list (large corpora are streamed from a
@@ -76,8 +81,12 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     ``work_dir`` is where a method keeps state across runs (training checkpoints to resume from); the
     CLI uses ``<out>.work`` beside the output folder. ``dtype``: the working dtype (default: the
     checkpoint's own; see ``moeify.loading``). ``check_memory``: refuse at once a conversion whose estimated
-    peak (``moeify.planning``) exceeds the device's free memory, naming what would make it fit. Everything that can be validated is validated before the
-    model's weights are loaded."""
+    peak (``moeify.planning``) exceeds the device's free memory, naming what would make it fit.
+    ``layer_by_layer``: for models larger than memory (training-free methods, a local safetensors checkpoint):
+    the weights are read one decoder layer at a time, each converted layer is written to its own file (in
+    ``work_dir``, else a temporary folder the result owns) and the dense and MoE perplexities are computed
+    layer by layer over cached hidden states (``moeify.offload``); no speed is measured (that needs the
+    whole model). Everything that can be validated is validated before the model's weights are loaded."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
     calib_source = read_corpus(calib or EMBEDDED_CALIB)
@@ -89,6 +98,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     model_config = load_config(model)
     family_for(model_config)
     spec.check(config, model_config)
+    if layer_by_layer:
+        _check_layer_by_layer(spec, config)
+        measure_speed = False
     context = model_config.max_position_embeddings
     seq_len = context if eval_seq_len is None else eval_seq_len
     if not 2 <= seq_len <= context:
@@ -98,15 +110,24 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     torch.manual_seed(seed)
     gguf = model_source(model).gguf_file is not None
     memory = method_plan(ModelShape.from_config(model_config, str(model or EMBEDDED_MODEL)), spec, config,
-                         working_dtype(dtype, None if gguf else model_config), seq_len, device, gguf)
+                         working_dtype(dtype, None if gguf else model_config), seq_len, device, gguf,
+                         layer_by_layer, len(eval_source.text) // CHARS_PER_TOKEN)
     if check_memory:
-        check_fits(memory, device)
-    dense, tokenizer = load_model(model, device, dtype)
+        check_fits(memory, device, spec.layer_by_layer and not getattr(config, "finetunes", False))
+    dense, tokenizer = load_model(model, device, dtype, layer_by_layer)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
     ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress,
                             work_dir=None if work_dir is None else Path(work_dir))
     start = time.perf_counter()
-    details = spec.run(ctx, config)
+    scratch = None
+    if layer_by_layer:  # the converted layers' files, until ``save`` writes the model
+        scratch = tempfile.TemporaryDirectory(prefix="moeify-layers-", dir=work_dir)
+        if work_dir is not None:
+            Path(work_dir).mkdir(parents=True, exist_ok=True)
+        with layered_of(dense).writing(Path(scratch.name)):
+            details = spec.run(ctx, config)
+    else:
+        details = spec.run(ctx, config)
     convert_s = time.perf_counter() - start
     moe = ctx.model.eval()
     quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)
@@ -124,7 +145,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "method": spec.name,
         "paper": spec.paper,
         "model": str(model or EMBEDDED_MODEL),
-        "config": {**vars(config), "seed": seed, "device": device,
+        "config": {**vars(config), "seed": seed, "device": device, "layer_by_layer": layer_by_layer,
                    "dtype": str(next(dense.parameters()).dtype).removeprefix("torch.")},
         "data": {"calib": {"name": calib_source.name, "sha256": calib_source.sha256},
                  "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
@@ -149,7 +170,18 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "versions": library_versions(),
         "warnings": warnings,
     }
-    return ConversionResult(moe, tokenizer, record, warnings, artifacts)
+    return ConversionResult(moe, tokenizer, record, warnings, artifacts, scratch)
+
+
+def _check_layer_by_layer(spec: Method, config: Any) -> None:
+    """A layer-by-layer conversion needs a method that touches the model only a layer at a time."""
+    able = ", ".join(method.name for method in METHODS if method.layer_by_layer)
+    if not spec.layer_by_layer:
+        raise OptionError(f"method {spec.name!r} cannot convert layer by layer (it trains or analyses the whole "
+                          f"model); methods that can: {able}")
+    if getattr(config, "finetunes", False):
+        raise OptionError(f"{spec.name}'s fine-tune trains the whole model, so it cannot run layer by layer; "
+                          "leave the finetune options unset")
 
 
 def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) -> Path:

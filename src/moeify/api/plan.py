@@ -23,26 +23,30 @@ def model_shape(model: str | Path | None) -> ModelShape:
 
 
 def plan(model: str | Path | None, method: str, options: dict[str, Any] | None = None, *,
-         dtype: str | torch.dtype | None = None, eval_seq_len: int | None = None, device: str = "cpu") -> MemoryPlan:
+         dtype: str | torch.dtype | None = None, eval_seq_len: int | None = None, device: str = "cpu",
+         layer_by_layer: bool = False, eval_tokens: int | None = None) -> MemoryPlan:
     """The memory plan of converting ``model`` (a path, a hub name, a GGUF file or a preset) with ``method``
-    on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16)."""
+    on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16). ``layer_by_layer``: held
+    a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows)."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
     shape = model_shape(model)
     default = torch.bfloat16 if str(model) in PRESETS else None
     work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default
     gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
-    return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf)
+    return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf,
+                       layer_by_layer, eval_tokens)
 
 
 def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int, device: str,
-                gguf: bool) -> MemoryPlan:
+                gguf: bool, layer_by_layer: bool = False, eval_tokens: int | None = None) -> MemoryPlan:
     """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device``; a
     CPU conversion of a safetensors checkpoint (not ``gguf``, which is dequantised) keeps it memory-mapped."""
     memory = spec.memory(shape, config, torch.finfo(dtype).bits // 8)
     on_cpu = torch.device(device).type == "cpu"
     return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy,
-                       mapped=on_cpu and not gguf, on_cpu=on_cpu)
+                       mapped=on_cpu and not gguf, on_cpu=on_cpu, layer_by_layer=layer_by_layer,
+                       eval_tokens=eval_tokens)
 
 
 def available_memory(device: str) -> int | None:
@@ -57,7 +61,7 @@ def available_memory(device: str) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
 
 
-def check_fits(memory: MemoryPlan, device: str) -> None:
+def check_fits(memory: MemoryPlan, device: str, layer_by_layer_possible: bool = False) -> None:
     """Refuse, before any weight is read, a conversion whose estimated peak exceeds what ``device`` has free,
     naming what would make it fit."""
     free = available_memory(device)
@@ -65,6 +69,8 @@ def check_fits(memory: MemoryPlan, device: str) -> None:
         return
     phase = memory.peak_phase
     hints = []
+    if layer_by_layer_possible and not memory.layer_by_layer:
+        hints.append("--layer-by-layer (one decoder layer in memory at a time)")
     if memory.dtype == torch.float32:
         hints.append("--dtype bfloat16 (half the weights)")
     if phase == "convert":

@@ -148,9 +148,10 @@ class DecoderAdapter:
         module_act = getattr(module, self.family.act_attr, None)
         if module_act is not None:
             ref = module.get_submodule(self.family.down_proj).weight
-            probe = torch.linspace(-8.0, 8.0, 257, device=ref.device, dtype=ref.dtype)
+            device = torch.device("cpu") if ref.is_meta else ref.device  # a layer not read yet (moeify.offload)
+            probe = torch.linspace(-8.0, 8.0, 257, device=device, dtype=ref.dtype)
             with torch.no_grad():
-                fresh = ACT2FN[name].to(device=ref.device, dtype=ref.dtype)
+                fresh = ACT2FN[name].to(device=device, dtype=ref.dtype)
                 if not torch.equal(fresh(probe), module_act(probe)):
                     raise ValueError(
                         f"{self.mlp_path(i)}.{self.family.act_attr} does not compute ACT2FN[{name!r}] "

@@ -9,11 +9,17 @@ stored once. Then, layer by layer: move the layer to the work device, let the ca
 convert it, run the (possibly converted) layer on the cached inputs to get the next layer's inputs,
 move it back. Only one layer's activations are alive at a time, and later layers are calibrated on the
 outputs of the converted earlier ones, so each conversion sees the errors made before it.
+
+A model loaded layer by layer (``moeify.offload``) has its layers read from disk when the pass reaches
+them and released (written first, in a conversion) when it leaves them. ``final_states`` computes a
+model's output hidden states the same way, for evaluations of models larger than memory (as GPTQ-style
+evaluation does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +28,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from moeify.arch import DecoderAdapter
+from moeify.arch.head import causal_lm
+from moeify.offload import layered_of
 
 
 class _StopForward(Exception):
@@ -66,9 +74,15 @@ class LayerStep:
         return outputs
 
 
-def capture_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor,
+def _chunks(batches: Tensor | list[Tensor], batch_size: int) -> list[Tensor]:
+    """``batches`` (n, seq) in chunks of ``batch_size``, or a list of batches as they are."""
+    return list(batches) if isinstance(batches, list) else list(batches.split(batch_size))
+
+
+def capture_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor],
                          batch_size: int) -> tuple[list[Tensor], list[list[dict[str, Any]]]]:
-    """Run the model on ``batches`` (n, seq) with its decoder layers standing aside.
+    """Run the model on ``batches`` ((n, seq) in chunks of ``batch_size``, or a list of batches) with its
+    decoder layers standing aside.
 
     Returns layer 0's hidden states (one tensor per batch) and, per layer, the keyword arguments the
     model passed it (one dict per batch). No layer computes anything; the forward stops after the last.
@@ -89,32 +103,86 @@ def capture_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batche
         return forward
 
     device = next(model.parameters()).device
-    layers = [adapter.layer(i) for i in range(adapter.num_layers)]
-    for index, layer in enumerate(layers):
-        layer.forward = stand_in(index)  # an instance attribute shadows the class's forward
-    try:
-        with torch.no_grad():
-            for chunk in batches.split(batch_size):
-                try:
-                    model(input_ids=chunk.to(device), use_cache=False)
-                except _StopForward:
-                    pass
-    finally:
-        for layer in layers:
-            del layer.forward
+    with _standing_in(adapter, stand_in), torch.no_grad():
+        for chunk in _chunks(batches, batch_size):
+            try:
+                model(input_ids=chunk.to(device), use_cache=False)
+            except _StopForward:
+                pass
     return hidden, kwargs
 
 
-def stream_layers(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor, *,
-                  device: torch.device | str, batch_size: int = 1) -> Iterator[LayerStep]:
-    """Yield a ``LayerStep`` per decoder layer; after the caller is done with it, its outputs become
-    the next layer's inputs."""
-    device = torch.device(device)
-    hidden, kwargs = capture_layer_inputs(model, adapter, batches, batch_size)
-    for index in range(adapter.num_layers):
-        home = next(adapter.layer(index).parameters()).device
-        step = LayerStep(index, adapter.layer(index).to(device), LayerInputs(hidden, kwargs[index]), device)
-        yield step
-        step.layer = adapter.layer(index).to(device)  # the caller may have replaced its MLP
-        hidden = step.run()
-        adapter.layer(index).to(home)
+@contextmanager
+def _standing_in(adapter: DecoderAdapter, forward_for: Callable[[int], Callable[..., Tensor]]) -> Iterator[None]:
+    """Inside, decoder layer ``i`` runs ``forward_for(i)`` instead of its own forward."""
+    layers = [adapter.layer(i) for i in range(adapter.num_layers)]
+    for index, layer in enumerate(layers):
+        layer.forward = forward_for(index)  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+class LayerStream:
+    """The layers of a pass, one ``LayerStep`` at a time (see ``stream_layers``); once iterated,
+    ``outputs`` holds the last layer's outputs, one tensor per batch."""
+
+    def __init__(self, model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor],
+                 device: torch.device, batch_size: int) -> None:
+        self.model, self.adapter, self.batches, self.device, self.batch_size = model, adapter, batches, device, batch_size
+        self.outputs: list[Tensor] = []
+
+    def __len__(self) -> int:
+        return self.adapter.num_layers
+
+    def __iter__(self) -> Iterator[LayerStep]:
+        adapter, layered = self.adapter, layered_of(self.model)
+        hidden, kwargs = capture_layer_inputs(self.model, adapter, self.batches, self.batch_size)
+        for index in range(adapter.num_layers):
+            if layered is None:
+                home = next(adapter.layer(index).parameters()).device
+                layer = adapter.layer(index).to(self.device)
+            else:
+                layer = layered.materialise(index, self.device)
+            step = LayerStep(index, layer, LayerInputs(hidden, kwargs[index]), self.device)
+            yield step
+            step.layer = adapter.layer(index).to(self.device)  # the caller may have replaced its MLP
+            hidden = step.run()
+            if layered is None:
+                adapter.layer(index).to(home)
+            else:
+                layered.finish(index)
+        self.outputs = hidden
+
+
+def stream_layers(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor], *,
+                  device: torch.device | str, batch_size: int = 1) -> LayerStream:
+    """A ``LayerStep`` per decoder layer; after the caller is done with it, its outputs become the next
+    layer's inputs."""
+    return LayerStream(model, adapter, batches, torch.device(device), batch_size)
+
+
+def final_states(model: PreTrainedModel, batches: list[Tensor], device: torch.device | str,
+                 progress: bool = False) -> list[Tensor]:
+    """The decoder's output after its final norm for each of ``batches``, computed a layer at a time: the
+    layers run over every batch, then the model's forward runs once more with the last layer handing it
+    the cached outputs (the other layers standing aside), so the model applies its own final norm."""
+    from tqdm.auto import tqdm
+
+    adapter = DecoderAdapter(model)
+    stream = stream_layers(model, adapter, batches, device=device)
+    for _ in tqdm(stream, desc="layer by layer", disable=not progress):
+        pass
+    outputs = iter(stream.outputs)
+    last = adapter.num_layers - 1
+
+    def stand_in(index: int):
+        def forward(hidden_states: Tensor, *args: Any, **layer_kwargs: Any) -> Tensor:
+            return next(outputs).to(hidden_states.device) if index == last else hidden_states
+        return forward
+
+    with _standing_in(adapter, stand_in), torch.no_grad():
+        return [causal_lm(model).base_model(input_ids=batch.to(device), use_cache=False).last_hidden_state
+                for batch in batches]

@@ -5,6 +5,10 @@ only at the very start), cut into non-overlapping windows of ``seq_len`` tokens 
 shorter); each window is an independent sequence whose first token is not scored (it has no context);
 the result is the token-weighted mean negative log-likelihood over every scored token.
 
+A model loaded layer by layer (``moeify.offload``) is evaluated a decoder layer at a time over the
+cached hidden states of every window (``calibration.stream.final_states``), with the same batches, so
+the result equals the whole model's.
+
 ``bos-per-doc``: the same, but every document (a blank-line separated paragraph of a text file, a
 record of a jsonl/json file) is tokenized on its own with its BOS, and the documents are concatenated.
 
@@ -29,6 +33,8 @@ from tqdm.auto import tqdm
 
 from moeify.arch.head import final_hidden_states, output_head
 from moeify.calibration.data import TextSource, token_stream
+from moeify.calibration.stream import final_states
+from moeify.offload import layered_of
 
 Protocol = Literal["windows", "bos-per-doc", "sliding"]
 PROTOCOLS: tuple[str, ...] = ("windows", "bos-per-doc", "sliding")
@@ -91,9 +97,13 @@ def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: in
         groups.setdefault((len(window), skip), []).append(window)
     batches = [(torch.stack(ws[i:i + batch_size]), skip) for (_, skip), ws in groups.items()
                for i in range(0, len(ws), batch_size)]
-    for batch, skip in tqdm(batches, desc=f"perplexity {source.name}", disable=not progress):
+    layered = None  # a model loaded layer by layer computes every batch's final states in one pass
+    if layered_of(model) is not None:
+        layered = final_states(model, [batch for batch, _ in batches], device, progress)
+    for index, (batch, skip) in enumerate(tqdm(batches, desc=f"perplexity {source.name}", disable=not progress)):
         batch = batch.to(device)
-        hidden = final_hidden_states(model, batch)[:, skip - 1:-1].flatten(0, 1)  # the positions predicting skip..
+        final = final_hidden_states(model, batch) if layered is None else layered[index]
+        hidden = final[:, skip - 1:-1].flatten(0, 1)  # the positions predicting skip..
         targets = batch[:, skip:].flatten()
         for h, t in zip(hidden.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):  # never a whole batch's logits
             total_nll += float(nn.functional.cross_entropy(head(h).float(), t, reduction="sum"))

@@ -3,7 +3,8 @@
 The folder holds ``config.json`` (the base config with ``model_type = "moeify_<base>"``, an ``auto_map``
 and a ``moeify`` block listing every MoE layer's structure and, for a model that lost decoder layers, their
 parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure itself is the config's own
-``num_hidden_layers``), ``model.safetensors``, the tokenizer, verbatim copies of the runtime modules
+``num_hidden_layers``), ``model.safetensors`` (a model held a layer at a time, ``moeify.offload``: one
+shard per decoder layer and the index), the tokenizer, verbatim copies of the runtime modules
 (``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``packed.py``, ``attention.py``,
 ``sparse_inputs.py``, which import each other relatively, so they run the same in the package and in the
 folder) and ``modeling_moeify.py``. Attention modules with a pruned head dimension are listed under
@@ -25,6 +26,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from moeify.files import MOEIFY_KEY
+from moeify.offload import layered_of
 from moeify.runtime import attention as runtime_attention
 from moeify.runtime import moe as runtime_moe
 from moeify.runtime import sparse_inputs as runtime_sparse
@@ -38,8 +40,17 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
 
     folder = Path(folder)
     base_type = model.config.model_type
-    # Custom (moeify) classes get no checkpoint renaming when loading, so the file keeps in-memory names.
-    model.save_pretrained(folder, save_original_format=False)
+    layered = layered_of(model)
+    if layered is None:
+        # Custom (moeify) classes get no checkpoint renaming when loading, so the file keeps in-memory names.
+        model.save_pretrained(folder, save_original_format=False)
+    else:  # a model held a layer at a time: its weights a shard per layer, the config as save_pretrained writes it
+        layered.save_weights(folder)
+        model.config.dtype = layered.dtype
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(folder)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     config_path = folder / "config.json"
@@ -85,15 +96,18 @@ def native_config(path: Path) -> Any:
     return config_cls.from_dict(raw)
 
 
+def native_model_class(config: Any) -> type:
+    """moeify's runtime class for a native folder's config (``native_config``)."""
+    return runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], None,
+                                           runtime_attention.install_pruned_attention,
+                                           runtime_sparse.install_sparse_inputs)
+
+
 def load_native(path: Path, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a native folder with moeify's own runtime classes (so moeify can inspect and re-route it)."""
     path = Path(path)
     config = native_config(path)
-    config_cls = type(config)
-    model_cls = runtime_moe.moe_causal_lm_class(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls], None,
-                                                runtime_attention.install_pruned_attention,
-                                                runtime_sparse.install_sparse_inputs)
-    model = model_cls.from_pretrained(path, config=config, dtype=dtype)
+    model = native_model_class(config).from_pretrained(path, config=config, dtype=dtype)
     return model.to(device).eval()
 

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import FileCorpus
 from moeify.calibration.data import TextSource
+from moeify.offload import cast_new_state
 from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import set_packed_widths
 
@@ -65,7 +66,9 @@ class Method:
     training): the identity the method x family tests pin. ``memory(shape, config, dtype bytes)``: the
     method's part of the peak-memory estimate (``moeify.planning``); ``inference_copy``: whether its layers
     hold a packed copy of their experts at inference (``runtime.moe``: routed, disjoint experts; not a
-    static pruning, nor ToMoE's experts stored once)."""
+    static pruning, nor ToMoE's experts stored once). ``layer_by_layer``: ``convert`` touches the model only
+    through ``calibration.stream`` (training-free, no fine-tune), so it converts a model loaded layer by
+    layer (``moeify.offload``: larger than memory)."""
 
     name: str
     paper: str
@@ -81,6 +84,7 @@ class Method:
     partitions_mlp: bool = False
     memory: Callable[[ModelShape, Any, int], MethodMemory] = method_memory
     inference_copy: bool = True
+    layer_by_layer: bool = False
 
     def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
         """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load
@@ -93,7 +97,7 @@ class Method:
         dtype = next(ctx.model.parameters()).dtype
         kept = {name for name, _ in ctx.model.named_buffers()}
         details = self.convert(ctx, config)
-        _cast_new_state(ctx.model, dtype, kept)
+        cast_new_state(ctx.model, dtype, kept)
         set_packed_widths(ctx.model)
         return details
 
@@ -101,15 +105,3 @@ class Method:
         """Model-dependent validation (e.g. ``top_k`` against the expert count), before heavy work."""
         config.check(model_config)
 
-
-def _cast_new_state(model: nn.Module, dtype: torch.dtype, kept_buffers: set[str]) -> None:
-    """Every floating parameter, and every floating buffer not in ``kept_buffers``, to ``dtype``."""
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.is_floating_point():
-                param.data = param.data.to(dtype)
-        for module_name, module in model.named_modules():
-            for attr, buffer in module._buffers.items():  # in place: persistence and hooks stay as they are
-                name = f"{module_name}.{attr}" if module_name else attr
-                if buffer is not None and buffer.is_floating_point() and name not in kept_buffers:
-                    module._buffers[attr] = buffer.to(dtype)

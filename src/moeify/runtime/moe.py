@@ -95,6 +95,10 @@ class MoeMLP(nn.Module):
     def _expert_output(self, e: int, x: Tensor) -> Tensor:
         return self.experts.expert_output(e, x) if self.shares_neurons else self.experts[e](x)
 
+    def drop_inference_copy(self) -> None:
+        """Free the packed copy of the experts (rebuilt at the next inference forward)."""
+        self._packed = None
+
     def reset_stats(self) -> None:
         self.stats_tokens = 0
         self.stats_expert_tokens = torch.zeros(len(self.experts), dtype=torch.long)

@@ -47,6 +47,7 @@ CMOE = Method(
     paper_ratio="ffn",
     partitions_mlp=True,
     memory=memory,
+    layer_by_layer=True,
 )
 
 __all__ = ["CMOE", "CmoeConfig"]

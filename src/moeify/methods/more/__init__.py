@@ -54,6 +54,7 @@ MORE = Method(
     match_budget=match_budget,
     partitions_mlp=True,
     memory=memory,
+    layer_by_layer=True,
 )
 
 __all__ = ["MORE", "MoreConfig"]

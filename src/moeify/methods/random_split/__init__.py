@@ -27,6 +27,7 @@ RANDOM_SPLIT = Method(
     match_budget=match_budget,
     paper_ratio="ffn",
     partitions_mlp=True,
+    layer_by_layer=True,
 )
 
 __all__ = ["RANDOM_SPLIT", "RandomSplitConfig"]

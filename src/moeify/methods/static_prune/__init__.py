@@ -42,6 +42,7 @@ STATIC_PRUNE = Method(
     convert=convert,
     match_budget=match_budget,
     inference_copy=False,
+    layer_by_layer=True,
 )
 
 __all__ = ["STATIC_PRUNE", "StaticPruneConfig"]

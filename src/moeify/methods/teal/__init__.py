@@ -33,6 +33,7 @@ TEAL = Method(
     convert=convert,
     match_budget=match_budget,
     inference_copy=False,
+    layer_by_layer=True,
 )
 
 __all__ = ["TEAL", "TealConfig"]
