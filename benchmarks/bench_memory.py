@@ -4,18 +4,20 @@ The model is LLaMA-shaped (hidden 2048, MLP 5632, 22 layers, 32 query / 4 key-va
 32,000: TinyLlama's shape), randomly initialised from a fixed seed and saved in bfloat16 (~2.2 GB) with
 the embedded tokenizer (its 512 ids are a subset of the vocabulary), once, into ``--model-dir``. Each
 method then converts it in its own process (``python -m moeify convert``, small calibration, a short
-held-out text, no speed pass), whose peak resident memory (``ru_maxrss``) is read when it exits and
-printed beside ``moeify plan``'s estimate for the same options, as one JSON line per method.
+held-out text, no speed pass), whose peak resident memory (``VmHWM``) it reports when it exits, is
+printed beside the ``moeify plan`` estimate the conversion made for itself (its record's ``memory``), as one
+JSON line per method. ``--layer-by-layer`` converts with the model held one decoder layer at a time
+(``moeify convert --layer-by-layer``), and checks that the saved folder loads and gives the logits of the
+same conversion made with the model whole in memory (``matches_whole``; that one runs in this process).
 
     python benchmarks/bench_memory.py [--model-dir /tmp/moeify-llama-1.1b] [--methods cmoe,more,static_prune]
-        [--out benchmarks/results/bench_memory.jsonl]
+        [--layer-by-layer] [--out benchmarks/results/bench_memory.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from moeify.api.plan import plan
+from moeify import convert, load
 from moeify.calibration.data import EMBEDDED_EVAL, read_text
 from moeify.loading import load_model
 from moeify.planning import GIB
@@ -47,28 +49,57 @@ def build(folder: Path) -> None:
     load_model(None)[1].save_pretrained(folder)
 
 
-def measure(model_dir: Path, method: str, eval_file: Path, out: Path) -> dict:
+# The conversion's own process reports its peak: the kernel's high-water mark of its memory since it started
+# (VmHWM). ``wait4``'s ru_maxrss would not do: a child forked from this process starts with this process's
+# resident pages counted, and this process grows when it builds the model or compares with a whole one.
+CHILD = """import runpy, sys
+sys.argv = ["moeify", *sys.argv[1:]]
+try:
+    runpy.run_module("moeify", run_name="__main__")
+finally:
+    status = open("/proc/self/status").read()
+    print("VmHWM", status.split("VmHWM:")[1].split()[0], file=sys.stderr)
+"""
+
+
+def measure(model_dir: Path, method: str, eval_file: Path, out: Path, layer_by_layer: bool) -> dict:
     options = [arg for key, value in OPTIONS.items() for arg in ("--set", f"{key}={value}")]
-    command = [sys.executable, "-m", "moeify", "convert", str(model_dir), "--method", method, *options,
+    command = [sys.executable, "-c", CHILD, "convert", str(model_dir), "--method", method, *options,
                "--eval", str(eval_file), "--seq-len", str(EVAL_SEQ_LEN), "--no-speed", "--out", str(out)]
+    command += ["--layer-by-layer"] if layer_by_layer else []
     start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(child.pid, 0)
+    child = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{method}: conversion failed: {child.stderr.read()[-2000:]}")
-    estimate = plan(model_dir, method, OPTIONS, eval_seq_len=EVAL_SEQ_LEN)
-    peak = usage.ru_maxrss * 1024
-    return {"method": method, "options": OPTIONS, "peak_rss_gib": round(peak / GIB, 2),
-            "plan_gib": round(estimate.peak / GIB, 2), "plan_phase": estimate.peak_phase,
-            "plan_over_measured": round(estimate.peak / peak, 3), "seconds": round(seconds, 1),
+    if child.returncode:
+        raise RuntimeError(f"{method}: conversion failed: {child.stderr[-2000:]}")
+    peak = int(child.stderr.strip().splitlines()[-1].split()[1]) * 1024
+    record = json.loads((out / "record.json").read_text())
+    plan = record["memory"]["plan_gib"] * GIB
+    return {"method": method, "options": OPTIONS, "layer_by_layer": layer_by_layer,
+            "peak_rss_gib": round(peak / GIB, 2), "plan_gib": record["memory"]["plan_gib"],
+            "plan_phase": record["memory"]["plan_phase"], "plan_over_measured": round(plan / peak, 3),
+            "seconds": round(seconds, 1), "ppl": record["metrics"]["ppl"],
             "checkpoint_gib": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / GIB, 2)}
+
+
+def matches_whole(model_dir: Path, method: str, eval_file: Path, saved: Path) -> dict:
+    """The same conversion made with the whole model in memory: its perplexity, and the largest logit
+    difference between it and the saved layer-by-layer conversion, loaded (0.0: identical)."""
+    whole = convert(model_dir, method, OPTIONS, eval=eval_file, eval_seq_len=EVAL_SEQ_LEN, measure_speed=False,
+                    check_memory=False)
+    loaded = load(saved)
+    ids = torch.arange(2, 130)[None]
+    with torch.no_grad():
+        difference = float((whole.model(ids).logits.float() - loaded(ids).logits.float()).abs().max())
+    return {"whole_model_ppl": whole.record["metrics"]["ppl"], "max_logit_difference_to_whole": difference}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "moeify-llama-1.1b")
     parser.add_argument("--methods", default="cmoe,more,static_prune")
+    parser.add_argument("--layer-by-layer", action="store_true",
+                        help="hold the model one decoder layer at a time, and compare with a whole-model conversion")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_memory.jsonl")
     args = parser.parse_args()
     build(args.model_dir)
@@ -76,7 +107,9 @@ def main() -> None:
         eval_file = Path(tmp) / "eval.txt"
         eval_file.write_text(read_text(EMBEDDED_EVAL).text[:EVAL_CHARS])
         for method in args.methods.split(","):
-            row = measure(args.model_dir, method, eval_file, Path(tmp) / method)
+            row = measure(args.model_dir, method, eval_file, Path(tmp) / method, args.layer_by_layer)
+            if args.layer_by_layer:
+                row.update(matches_whole(args.model_dir, method, eval_file, Path(tmp) / method))
             print(json.dumps(row), flush=True)
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -9,7 +9,7 @@ largest phase plus what the process itself holds (Python, torch, transformers: m
   logits (``LOGIT_CHUNK`` positions) with their float32 copy and log-softmax.
 - ``convert``: calibration, one decoder layer at a time (``calibration.stream``): every calibration
   window's hidden states twice (a layer's inputs and outputs), and the method's per-layer statistics
-  (``Method.memory``: e.g. CMoE's (tokens x d_ff) activations and markers, MoRE's float64 co-activation
+  (``Method.memory``: e.g. CMoE's (tokens x d_ff) activations and markers, MoRE's co-activation
   matrix and its spectral decomposition).
 - ``train`` (methods that train): gradients and AdamW's two moments of what is trained, in the working
   dtype, the activations a step keeps (with recomputation: every decoder layer's input plus one layer's

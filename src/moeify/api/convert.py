@@ -121,9 +121,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     start = time.perf_counter()
     scratch = None
     if layer_by_layer:  # the converted layers' files, until ``save`` writes the model
-        scratch = tempfile.TemporaryDirectory(prefix="moeify-layers-", dir=work_dir)
         if work_dir is not None:
             Path(work_dir).mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.TemporaryDirectory(prefix="moeify-layers-", dir=work_dir)
         with layered_of(dense).writing(Path(scratch.name)):
             details = spec.run(ctx, config)
     else:

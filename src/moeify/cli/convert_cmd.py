@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from moeify.cli.common import add_device_arguments
+from moeify.cli.common import add_device_arguments, add_layer_by_layer_argument
 from moeify.cli.format import print_table
 
 
@@ -39,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(parser)
     parser.add_argument("--seq-len", type=int, default=None, help="evaluation window (default: model context)")
     parser.add_argument("--no-speed", action="store_true", help="skip the dense-vs-MoE throughput measurement")
+    add_layer_by_layer_argument(parser)
     parser.add_argument("--no-memory-check", action="store_true",
                         help="convert even if `moeify plan`'s estimated peak exceeds the free memory")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
                                 seed=args.seed, device=args.device, dtype=args.dtype, eval_seq_len=args.seq_len,
                                 measure_speed=not args.no_speed, progress=is_main(), work_dir=work_dir,
-                                check_memory=not args.no_memory_check)
+                                check_memory=not args.no_memory_check, layer_by_layer=args.layer_by_layer)
         if not is_main():
             return 0  # the main process writes and reports
         for warning in result.warnings:
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             ("conversion time", f"{rec['timings']['convert_s']:.1f} s"),
             ("peak memory", f"{rec['memory']['peak_rss_gib']:.2f} GiB resident (`moeify plan`: "
                             f"{rec['memory']['plan_gib']:.2f} GiB, at {rec['memory']['plan_phase']})")]
+    if rec["config"]["layer_by_layer"]:
+        rows.append(("speed", "not measured (layer by layer: the model is never whole in memory)"))
     if rec["speed"]:
         s = rec["speed"]
         rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']}, median of {s['repeats']})",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeify.cli.common import add_layer_by_layer_argument
 from moeify.cli.format import print_table
 from moeify.methods import DEFAULT_METHOD, METHODS
 from moeify.planning import GIB, PRESETS
@@ -26,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="evaluation window (default: the model's context)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the conversion runs (on the CPU a safetensors checkpoint stays memory-mapped)")
+    add_layer_by_layer_argument(parser)
     parser.add_argument("--table", action="store_true",
                         help="the README's table: every method's peak on every preset shape, bfloat16")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         print(table())
         return 0
     memory = plan(args.model, args.method, parse_assignments(args.set), dtype=args.dtype, eval_seq_len=args.seq_len,
-                  device=args.device)
+                  device=args.device, layer_by_layer=args.layer_by_layer)
     record = memory.as_dict()
     if args.json:
         print(json.dumps(record, indent=2))

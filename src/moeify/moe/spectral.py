@@ -19,11 +19,15 @@ def spectral_clusters(affinity: np.ndarray, r: int, *, seed: int, n_init: int = 
     connected = np.flatnonzero(degree > 0)
     labels = np.full(n, -1)
     if len(connected) >= r:
-        sub = a[np.ix_(connected, connected)]
+        sub = a if len(connected) == n else a[np.ix_(connected, connected)]  # no copy when all are connected
         scale = 1.0 / np.sqrt(degree[connected])
-        normalised = scale[:, None] * sub * scale[None, :]
+        normalised = scale[:, None] * sub  # one (n, n) array besides the affinity, scaled in place
+        normalised *= scale[None, :]
+        del sub
         m = len(connected)
-        _, vectors = scipy.linalg.eigh(normalised, subset_by_index=[m - r, m - 1])  # largest r eigenpairs
+        _, vectors = scipy.linalg.eigh(normalised, subset_by_index=[m - r, m - 1],  # largest r eigenpairs
+                                       overwrite_a=True, check_finite=False)
+        del normalised
         embedding = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         rng = np.random.default_rng(seed)
         best, best_inertia = None, np.inf

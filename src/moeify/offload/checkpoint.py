@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from safetensors import safe_open
@@ -22,23 +22,30 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class TensorFiles:
-    """Where each tensor of a checkpoint is: ``{tensor name: safetensors file}``."""
+    """Where each tensor of a checkpoint is: ``{model's name: (safetensors file, name in the file)}``."""
 
-    def __init__(self, files: dict[str, Path]) -> None:
+    def __init__(self, files: dict[str, tuple[Path, str]]) -> None:
         self.files = dict(files)
 
     @classmethod
-    def of_folder(cls, folder: Path) -> TensorFiles:
-        """The tensors of a checkpoint folder (one file, or the shards of its index)."""
+    def of_folder(cls, folder: Path, rename: Callable[[str], str] = str) -> TensorFiles:
+        """The tensors of a checkpoint folder (one file, or the shards of its index), under the names
+        ``rename`` gives the stored ones (transformers renames some families' tensors as it loads them)."""
         folder = Path(folder)
         if (folder / INDEX_FILE).is_file():
             weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-            return cls({name: folder / file for name, file in weight_map.items()})
+            return cls({rename(name): (folder / file, name) for name, file in weight_map.items()})
         if (folder / SINGLE_FILE).is_file():
             with safe_open(folder / SINGLE_FILE, framework="pt") as f:
-                return cls({name: folder / SINGLE_FILE for name in f.keys()})
+                stored = list(f.keys())  # noqa: SIM118 - a safe_open handle is no dict
+            return cls({rename(name): (folder / SINGLE_FILE, name) for name in stored})
         raise ValueError(f"{folder}: no safetensors checkpoint ({SINGLE_FILE} or {INDEX_FILE}); layer-by-layer "
                          "loading reads safetensors files only")
+
+    @classmethod
+    def of_files(cls, files: dict[str, Path]) -> TensorFiles:
+        """Tensors stored under the model's own names: ``{name: file}``."""
+        return cls({name: (file, name) for name, file in files.items()})
 
     def names(self) -> set[str]:
         return set(self.files)
@@ -50,12 +57,12 @@ class TensorFiles:
             if name not in self.files:
                 raise ValueError(f"tensor {name!r} is not in the checkpoint; layer-by-layer loading needs a "
                                  "checkpoint whose tensor names are the model's own (as save_pretrained writes them)")
-            by_file.setdefault(self.files[name], []).append(name)
+            by_file.setdefault(self.files[name][0], []).append(name)
         tensors: dict[str, Tensor] = {}
         for file, file_names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name in file_names:
-                    tensors[name] = f.get_tensor(name).clone()  # no view of the map outlives the file
+                    tensors[name] = f.get_tensor(self.files[name][1]).clone()  # no view of the map outlives it
         return tensors
 
 

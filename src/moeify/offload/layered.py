@@ -12,6 +12,8 @@ them. Peak memory: the non-layer weights, one layer (dense and converted), the p
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,8 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
@@ -28,6 +32,7 @@ from moeify.runtime.moe import MoeMLP
 
 _LAYERED: WeakKeyDictionary[nn.Module, LayeredModel] = WeakKeyDictionary()
 BASE_FILE = "model-base.safetensors"  # everything outside the decoder layers, in a saved folder
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def layered_of(model: nn.Module) -> LayeredModel | None:
@@ -127,8 +132,8 @@ class LayeredModel:
         missing = sorted(set(range(self.adapter.num_layers)) - set(self._written))
         if missing:
             raise RuntimeError(f"the layer-by-layer conversion did not finish decoder layers {missing}")
-        self.source = TensorFiles({name: self._written[index] for index in range(self.adapter.num_layers)
-                                   for name in self.layer_names(index)})
+        self.source = TensorFiles.of_files({name: self._written[index] for index in range(self.adapter.num_layers)
+                                            for name in self.layer_names(index)})
 
     def save_weights(self, folder: Path) -> None:
         """The whole model's weights into ``folder``: the non-layer tensors in one file, each layer in its
@@ -150,15 +155,45 @@ class LayeredModel:
         write_index(weight_map, total, folder)
 
 
+def _return_freed_blocks() -> None:
+    """glibc's malloc raises its mmap threshold (up to 32 MiB) whenever a large block is freed, so the
+    layer-sized blocks a layer-at-a-time pass frees stay in its heap and the process grows by about a layer
+    per layer; a fixed threshold (setting one turns the raising off) hands them back to the system."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _stored_name_to_model_name(model: PreTrainedModel) -> Callable[[str], str]:
+    """The renaming transformers applies to ``model``'s checkpoint names as it loads them (e.g. GPT-NeoX's
+    ``embed_out`` is ``lm_head`` in memory); checkpoints that need tensors merged or split are refused."""
+    transforms = get_model_conversion_mapping(model)
+    merging = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    if merging:
+        raise ValueError(f"{type(model).__name__} checkpoints need tensors merged or split as they load "
+                         f"({type(merging[0]).__name__}); layer-by-layer loading only reads them as stored")
+
+    def rename(name: str) -> str:
+        for transform in transforms:
+            name = transform.rename_source_key(name)[0]
+        return name
+
+    return rename
+
+
 def layered_model(folder: Path, build: Callable[[], PreTrainedModel], dtype: torch.dtype,
                   device: torch.device | str = "cpu") -> PreTrainedModel:
     """The model ``build`` makes (parameters on the meta device), with the non-layer weights of the
     checkpoint in ``folder`` on ``device`` in ``dtype``; its decoder layers are read when a pass needs them."""
-    source = TensorFiles.of_folder(folder)
+    _return_freed_blocks()
     with parameters_on_meta():
         model = build()
+    source = TensorFiles.of_folder(folder, _stored_name_to_model_name(model))
     layered = LayeredModel(model, source, dtype)
-    layers = set(name for i in range(layered.adapter.num_layers) for name in layered.layer_names(i))
+    layers = {name for i in range(layered.adapter.num_layers) for name in layered.layer_names(i)}
     own = model.state_dict()
     present = sorted(name for name in own if name not in layers and name in source.names())
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}

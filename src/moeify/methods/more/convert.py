@@ -33,14 +33,13 @@ from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import PrototypeRouter, RandomRouter
 
 
-def petals(coactivation: Tensor, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:
-    """Spectral clusters of the co-activation graph over ``channels`` (diagonal zeroed), sizes bounded."""
-    a = coactivation[channels][:, channels].numpy().copy()
-    np.fill_diagonal(a, 0.0)
+def petals(affinity: np.ndarray, channels: Tensor, r: int, cfg: MoreConfig, seed: int) -> list[Tensor]:
+    """Spectral clusters of the co-activation graph ``affinity`` over ``channels`` (C restricted to them,
+    diagonal zeroed: ``CoActivation.coactivation_among``), sizes bounded."""
     mean = len(channels) / r
     low = max(1, int(np.floor(cfg.min_size_ratio * mean)))
     high = max(int(np.ceil(cfg.max_size_ratio * mean)), int(np.ceil(mean)))
-    labels = bound_cluster_sizes(spectral_clusters(a, r, seed=seed), a, r, low, high)
+    labels = bound_cluster_sizes(spectral_clusters(affinity, r, seed=seed), affinity, r, low, high)
     return [channels[torch.from_numpy(np.flatnonzero(labels == i))] for i in range(r)]
 
 
@@ -77,14 +76,21 @@ def _routed_layer(mlp: MlpWeights, shared: Tensor, experts: list[Tensor], protot
     return moe_from_partition(mlp, ExpertPartition(shared, tuple(e.sort().values for e in experts)), router)
 
 
+def _coactivation(step_run, capture, mlp: MlpWeights, cfg: MoreConfig) -> CoActivation:
+    """The layer's activation statistics over the calibration batches (MoRE §2.2)."""
+    m = mlp.intermediate_size
+    stats = CoActivation(mlp.hidden_size, m, max(1, int(cfg.act_ratio * m)))  # k_act; Eq. 4
+    with capture(lambda x: stats.update(x, mlp.hidden(x))):
+        step_run()
+    return stats
+
+
 def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreConfig, seed: int) -> tuple[MoeMLP, dict]:
     """Build one MoRE layer; ``step_run`` replays the layer over the calibration batches while
     ``capture(observe)`` feeds the MLP inputs to ``observe``. For ``naive``, ``k_share`` is the number
     of disjoint clusters."""
     m, r = mlp.intermediate_size, cfg.num_experts
-    stats = CoActivation(mlp.hidden_size, m, max(1, int(cfg.act_ratio * m)))  # k_act; Eq. 4
-    with capture(lambda x: stats.update(x, mlp.hidden(x))):
-        step_run()
+    stats = _coactivation(step_run, capture, mlp, cfg)
     score = channel_importance(mlp, stats.squares)
     order = score.argsort(descending=True)
     generator = torch.Generator().manual_seed(seed)
@@ -93,12 +99,14 @@ def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreCon
         keep = order[:k_share + round((m - k_share) / r)]  # the same budget, static
         return static_layer(mlp, keep), {"backbone": keep.numel()}
     if cfg.variant == "naive":
-        shared, groups = order[:0], petals(stats.coactivation, torch.arange(m), k_share, cfg, seed)
+        shared, routed, r = order[:0], torch.arange(m), k_share
     else:
-        shared, rest = order[:k_share].sort().values, order[k_share:].sort().values
-        groups = petals(stats.coactivation, rest, r, cfg, seed)  # C_R with zeroed diagonal
-        if cfg.variant == "random_petals":
-            groups = list(random_partition(rest, [g.numel() for g in groups], generator))
+        shared, routed = order[:k_share].sort().values, order[k_share:].sort().values
+    affinity = stats.coactivation_among(routed)  # C_R with zeroed diagonal
+    del stats  # the m x m counts: clustering needs only C_R
+    groups = petals(affinity, routed, r, cfg, seed)
+    if cfg.variant == "random_petals":
+        groups = list(random_partition(routed, [g.numel() for g in groups], generator))
     accumulator = _PrototypeAccumulator(mlp, [torch.cat([shared, g]) for g in groups], cfg.alpha)  # E_i
     with capture(accumulator.update):
         step_run()
@@ -135,9 +143,9 @@ def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
 
 
 def memory(shape: ModelShape, cfg: MoreConfig, nbytes: int) -> MethodMemory:
-    """Per converted layer: the float64 co-activation matrix C (m x m) and what the spectral clustering
-    makes of it (the affinity, its normalisation, eigh's workspace: about three more), and one stream
-    batch's float32 hidden activations and activation-set marks."""
+    """Per converted layer: the float32 co-activation counts (m x m), then C_R in float64 and the normalised
+    affinity the spectral decomposition works on in place (``moe.spectral``): 4 + 2 x 8 bytes per entry at
+    the peak, and one stream batch's float32 hidden activations and activation-set marks."""
     m = shape.intermediate
     batch_tokens = 8 * cfg.seq_len
-    return method_memory(shape, cfg, nbytes, layer_statistics=4 * 8 * m * m + 4 * batch_tokens * m * 4)
+    return method_memory(shape, cfg, nbytes, layer_statistics=(4 + 2 * 8) * m * m + 4 * batch_tokens * m * 4)
