@@ -143,3 +143,16 @@ def test_coactivation_counts_restricted_to_channels_match_the_float64_matrix():
     expected = stats.coactivation[channels][:, channels].numpy().copy()
     np.fill_diagonal(expected, 0.0)
     assert np.array_equal(stats.coactivation_among(channels), expected)
+
+
+def test_the_cli_evaluates_a_saved_conversion_layer_by_layer(checkpoint, tmp_path, capsys):
+    result = moeify.convert(checkpoint, "cmoe", FAST["cmoe"], eval_seq_len=64, measure_speed=False)
+    moeify.save(result, tmp_path / "out")
+    assert main(["eval", str(tmp_path / "out"), "--seq-len", "64", "--layer-by-layer",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert list(evaluated["ppl"].values()) == [result.record["metrics"]["ppl"]]
+    assert evaluated["active"]["apr"] == result.record["active"]["apr"]
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "out"), "--layer-by-layer", "--tasks", "piqa"]) == 2
+    assert "--tasks needs the whole model" in capsys.readouterr().err

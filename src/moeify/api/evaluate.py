@@ -15,6 +15,7 @@ from moeify.evaluation.harness import check_tasks, run_tasks
 from moeify.evaluation.perplexity import perplexity
 from moeify.methods import METHODS
 from moeify.moe.accounting import activated_parameters, moe_layers, tracking_routing
+from moeify.offload import layered_of
 from moeify.options import OptionError
 
 
@@ -56,6 +57,9 @@ def evaluate(model: PreTrainedModel, tokenizer: Any, data: list[str | Path] | No
     it. Without ``data`` the embedded evaluation slice is used, unless only tasks were asked for.
     ``protocol``/``stride``: see ``moeify.evaluation.perplexity``. ``runtime_options`` hold for this
     evaluation only: the model is given its own options back afterwards."""
+    if tasks and layered_of(model) is not None:
+        raise OptionError("zero-shot tasks need the whole model in memory; this one is held layer by layer "
+                          "(its perplexity is computed layer by layer)")
     if tasks:
         check_tasks(tasks, task_data, limit)
     sources = [read_text(d) for d in (data or ([] if tasks else [EMBEDDED_EVAL]))]

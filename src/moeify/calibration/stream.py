@@ -10,6 +10,12 @@ convert it, run the (possibly converted) layer on the cached inputs to get the n
 move it back. Only one layer's activations are alive at a time, and later layers are calibrated on the
 outputs of the converted earlier ones, so each conversion sees the errors made before it.
 
+Calibration computes in float32 whatever the working dtype: a bfloat16 layer is cast up while the pass
+holds it (one layer at a time, so the memory is a layer's, not a model's) and cast back, with what the
+method built in it, when the pass leaves it. So a bfloat16 conversion takes the decisions (channel
+rankings, clusters, thresholds) the float32 one takes on the same weights, instead of ones disturbed by
+bfloat16's 8-bit mantissa; the converted model then runs in the working dtype.
+
 A model loaded layer by layer (``moeify.offload``) has its layers read from disk when the pass reaches
 them and released (written first, in a conversion) when it leaves them. ``final_states`` computes a
 model's output hidden states the same way, for evaluations of models larger than memory (as GPTQ-style
@@ -29,7 +35,7 @@ from transformers import PreTrainedModel
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
-from moeify.offload import layered_of
+from moeify.offload import cast_new_state, layered_of
 
 
 class _StopForward(Exception):
@@ -44,6 +50,7 @@ def _move(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _move(v, device) for k, v in obj.items()}
     return obj
+
 
 
 @dataclass
@@ -80,12 +87,14 @@ def _chunks(batches: Tensor | list[Tensor], batch_size: int) -> list[Tensor]:
 
 
 def capture_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor],
-                         batch_size: int) -> tuple[list[Tensor], list[list[dict[str, Any]]]]:
+                         batch_size: int, float32: bool = False) -> tuple[list[Tensor], list[list[dict[str, Any]]]]:
     """Run the model on ``batches`` ((n, seq) in chunks of ``batch_size``, or a list of batches) with its
     decoder layers standing aside.
 
     Returns layer 0's hidden states (one tensor per batch) and, per layer, the keyword arguments the
     model passed it (one dict per batch). No layer computes anything; the forward stops after the last.
+    ``float32``: the embeddings' output is cast to float32, so the model derives everything it passes its
+    layers (the rotary cos/sin, an additive attention mask) in float32 too, as a float32 model does.
     """
     hidden: list[Tensor] = []
     kwargs: list[list[dict[str, Any]]] = [[] for _ in range(adapter.num_layers)]
@@ -103,12 +112,18 @@ def capture_layer_inputs(model: PreTrainedModel, adapter: DecoderAdapter, batche
         return forward
 
     device = next(model.parameters()).device
-    with _standing_in(adapter, stand_in), torch.no_grad():
-        for chunk in _chunks(batches, batch_size):
-            try:
-                model(input_ids=chunk.to(device), use_cache=False)
-            except _StopForward:
-                pass
+    embeddings = model.get_input_embeddings()
+    upcast = embeddings.register_forward_hook(lambda module, args, out: out.float()) if float32 else None
+    try:
+        with _standing_in(adapter, stand_in), torch.no_grad():
+            for chunk in _chunks(batches, batch_size):
+                try:
+                    model(input_ids=chunk.to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        if upcast is not None:
+            upcast.remove()
     return hidden, kwargs
 
 
@@ -130,8 +145,9 @@ class LayerStream:
     ``outputs`` holds the last layer's outputs, one tensor per batch."""
 
     def __init__(self, model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor],
-                 device: torch.device, batch_size: int) -> None:
+                 device: torch.device, batch_size: int, float32: bool) -> None:
         self.model, self.adapter, self.batches, self.device, self.batch_size = model, adapter, batches, device, batch_size
+        self.float32 = float32
         self.outputs: list[Tensor] = []
 
     def __len__(self) -> int:
@@ -139,29 +155,36 @@ class LayerStream:
 
     def __iter__(self) -> Iterator[LayerStep]:
         adapter, layered = self.adapter, layered_of(self.model)
-        hidden, kwargs = capture_layer_inputs(self.model, adapter, self.batches, self.batch_size)
+        dtype = self.model.get_input_embeddings().weight.dtype  # the working dtype
+        upcast = self.float32 and dtype != torch.float32
+        hidden, kwargs = capture_layer_inputs(self.model, adapter, self.batches, self.batch_size, float32=upcast)
         for index in range(adapter.num_layers):
             if layered is None:
                 home = next(adapter.layer(index).parameters()).device
                 layer = adapter.layer(index).to(self.device)
             else:
                 layer = layered.materialise(index, self.device)
+            kept = {name for name, _ in layer.named_buffers()}
+            if upcast:
+                cast_new_state(layer, torch.float32, kept)
             step = LayerStep(index, layer, LayerInputs(hidden, kwargs[index]), self.device)
             yield step
             step.layer = adapter.layer(index).to(self.device)  # the caller may have replaced its MLP
             hidden = step.run()
+            if upcast:  # the layer (and what the caller built in it) back in the working dtype
+                cast_new_state(step.layer, dtype, kept)
             if layered is None:
                 adapter.layer(index).to(home)
             else:
                 layered.finish(index)
-        self.outputs = hidden
+        self.outputs = [h.to(dtype) for h in hidden]
 
 
 def stream_layers(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor], *,
                   device: torch.device | str, batch_size: int = 1) -> LayerStream:
-    """A ``LayerStep`` per decoder layer; after the caller is done with it, its outputs become the next
-    layer's inputs."""
-    return LayerStream(model, adapter, batches, torch.device(device), batch_size)
+    """A ``LayerStep`` per decoder layer, computing in float32 whatever the working dtype (see the module
+    docstring); after the caller is done with it, its outputs become the next layer's inputs."""
+    return LayerStream(model, adapter, batches, torch.device(device), batch_size, float32=True)
 
 
 def final_states(model: PreTrainedModel, batches: list[Tensor], device: torch.device | str,
@@ -172,7 +195,7 @@ def final_states(model: PreTrainedModel, batches: list[Tensor], device: torch.de
     from tqdm.auto import tqdm
 
     adapter = DecoderAdapter(model)
-    stream = stream_layers(model, adapter, batches, device=device)
+    stream = LayerStream(model, adapter, batches, torch.device(device), batch_size=1, float32=False)
     for _ in tqdm(stream, desc="layer by layer", disable=not progress):
         pass
     outputs = iter(stream.outputs)

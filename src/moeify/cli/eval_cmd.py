@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from moeify.cli.common import add_device_arguments
+from moeify.cli.common import add_device_arguments, add_layer_by_layer_argument
 from moeify.cli.format import print_table
 from moeify.evaluation.harness import TASKS, check_tasks
 
@@ -29,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="runtime option")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     add_device_arguments(parser)
+    add_layer_by_layer_argument(parser)
     harness = parser.add_argument_group(
         "zero-shot tasks (lm-evaluation-harness, offline; pip install -e \".[eval]\")",
         "Without --data, only the tasks run (no perplexity).")
@@ -61,13 +62,17 @@ def run(args: argparse.Namespace) -> int:
     from moeify.options import parse_assignments
 
     options = parse_assignments(args.set)
+    if args.tasks and args.layer_by_layer:
+        print("moeify eval: error: --tasks needs the whole model in memory; leave out --layer-by-layer "
+              "(perplexity runs layer by layer)", file=sys.stderr)
+        return 2
     if args.tasks:
         try:  # before loading the model: a missing lm-eval or data file fails at once
             check_tasks(args.tasks, args.task_data, args.limit)
         except ImportError as error:
             print(f"moeify eval: error: {error}", file=sys.stderr)
             return 2
-    model, tokenizer = moeify.load_model(args.model, args.device, args.dtype)
+    model, tokenizer = moeify.load_model(args.model, args.device, args.dtype, layer_by_layer=args.layer_by_layer)
     results = moeify.evaluate(model, tokenizer, args.data or None, seq_len=args.seq_len, runtime_options=options,
                               protocol=args.protocol, stride=args.stride,
                               tasks=args.tasks, task_data=args.task_data, limit=args.limit,
