@@ -165,6 +165,8 @@ class LayerStream:
             else:
                 layer = layered.materialise(index, self.device)
             kept = {name for name, _ in layer.named_buffers()}
+            # a model held whole keeps its weights' storage (on the CPU, often the checkpoint's memory map)
+            originals = {param: param.data for param in layer.parameters()} if upcast and layered is None else {}
             if upcast:
                 cast_new_state(layer, torch.float32, kept)
             step = LayerStep(index, layer, LayerInputs(hidden, kwargs[index]), self.device)
@@ -172,12 +174,22 @@ class LayerStream:
             step.layer = adapter.layer(index).to(self.device)  # the caller may have replaced its MLP
             hidden = step.run()
             if upcast:  # the layer (and what the caller built in it) back in the working dtype
+                _restore(step.layer, originals)
                 cast_new_state(step.layer, dtype, kept)
             if layered is None:
                 adapter.layer(index).to(home)
             else:
                 layered.finish(index)
         self.outputs = [h.to(dtype) for h in hidden]
+
+
+def _restore(layer: nn.Module, originals: dict[nn.Parameter, Tensor]) -> None:
+    """Each parameter the pass cast up and nobody changed gets its own storage back (a checkpoint's memory
+    map, not a copy of it)."""
+    for param in layer.parameters():
+        original = originals.get(param)
+        if original is not None and torch.equal(param.data.to(original.dtype), original):
+            param.data = original
 
 
 def stream_layers(model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor], *,
