@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="where the conversion runs (on the CPU a safetensors checkpoint stays memory-mapped)")
     add_layer_by_layer_argument(parser)
     parser.add_argument("--table", action="store_true",
-                        help="the README's table: every method's peak on every preset shape, bfloat16")
+                        help="the README's table: every method's peak on every preset shape, bfloat16 (with "
+                             "--layer-by-layer: the methods that can, held one decoder layer at a time)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from moeify.options import parse_assignments
 
     if args.table:
-        print(table())
+        print(table(args.layer_by_layer))
         return 0
     memory = plan(args.model, args.method, parse_assignments(args.set), dtype=args.dtype, eval_seq_len=args.seq_len,
                   device=args.device, layer_by_layer=args.layer_by_layer)
@@ -58,15 +59,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def table() -> str:
+def table(layer_by_layer: bool = False) -> str:
     """Markdown: the peak (GiB) of every method's default conversion of every preset shape in bfloat16 on one
-    GPU (the checkpoint not memory-mapped)."""
+    GPU (the checkpoint not memory-mapped); ``layer_by_layer``: of the methods that can, held that way."""
     from moeify.api.plan import plan
 
-    lines = ["| model | params | " + " | ".join(m.name for m in METHODS) + " |",
-             "|---|---|" + "---|" * len(METHODS)]
+    methods = [m for m in METHODS if m.layer_by_layer or not layer_by_layer]
+    lines = ["| model | params | " + " | ".join(m.name for m in methods) + " |",
+             "|---|---|" + "---|" * len(methods)]
     for name in PRESETS:
-        plans = [plan(name, m.name, device="cuda") for m in METHODS]
+        plans = [plan(name, m.name, device="cuda", layer_by_layer=layer_by_layer) for m in methods]
         lines.append(f"| {name} | {plans[0].shape.params / 1e9:.2f} B | "
                      + " | ".join(f"{p.peak / GIB:.0f}" for p in plans) + " |")
     return "\n".join(lines)

@@ -12,8 +12,6 @@ them. Peak memory: the non-layer weights, one layer (dense and converted), the p
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,12 +25,12 @@ from transformers.core_model_loading import WeightRenaming
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
+from moeify.offload.allocator import LAYER_PASS_MMAP_THRESHOLD, fix_mmap_threshold
 from moeify.offload.checkpoint import TensorFiles, tensor_bytes, write_index, write_tensors
 from moeify.runtime.moe import MoeMLP
 
 _LAYERED: WeakKeyDictionary[nn.Module, LayeredModel] = WeakKeyDictionary()
 BASE_FILE = "model-base.safetensors"  # everything outside the decoder layers, in a saved folder
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def layered_of(model: nn.Module) -> LayeredModel | None:
@@ -155,18 +153,6 @@ class LayeredModel:
         write_index(weight_map, total, folder)
 
 
-def _return_freed_blocks() -> None:
-    """glibc's malloc raises its mmap threshold (up to 32 MiB) whenever a large block is freed, so the
-    layer-sized blocks a layer-at-a-time pass frees stay in its heap and the process grows by about a layer
-    per layer; a fixed threshold (setting one turns the raising off) hands them back to the system."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _stored_name_to_model_name(model: PreTrainedModel) -> Callable[[str], str]:
     """The renaming transformers applies to ``model``'s checkpoint names as it loads them (e.g. GPT-NeoX's
     ``embed_out`` is ``lm_head`` in memory); checkpoints that need tensors merged or split are refused."""
@@ -188,7 +174,7 @@ def layered_model(folder: Path, build: Callable[[], PreTrainedModel], dtype: tor
                   device: torch.device | str = "cpu") -> PreTrainedModel:
     """The model ``build`` makes (parameters on the meta device), with the non-layer weights of the
     checkpoint in ``folder`` on ``device`` in ``dtype``; its decoder layers are read when a pass needs them."""
-    _return_freed_blocks()
+    fix_mmap_threshold(LAYER_PASS_MMAP_THRESHOLD)  # each layer's freed weights go back to the system
     with parameters_on_meta():
         model = build()
     source = TensorFiles.of_folder(folder, _stored_name_to_model_name(model))

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from moeify.training.allocator import fix_mmap_threshold
+from moeify.offload.allocator import fix_mmap_threshold
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moeify.training.distributed import all_reduce_gradients_, all_reduce_sum_, barrier, is_main, rank, world_size
 from moeify.training.losses import lm_loss

@@ -1,4 +1,4 @@
-"""Keep glibc from holding freed training memory.
+"""Keep glibc from holding freed memory (training steps, layer-at-a-time passes over models larger than memory).
 
 glibc serves an allocation from its heap unless it is larger than the mmap threshold, and it raises that
 threshold (from 128 KiB up to 32 MiB) each time a large mmap-ed block is freed. A training step then puts
@@ -6,8 +6,11 @@ its layer activations (a few MiB each) on the heap, frees them and allocates oth
 the heap fragments: the process keeps gigabytes of freed memory. Measured on SmolLM2-135M, CMoE's
 fine-tune at 4 x 512 tokens (benchmarks/bench_train_memory.py): peak RSS 3.8-4.3 GiB with glibc's
 dynamic threshold, 2.3 GiB with a fixed 4 MiB one, at about 20 % more time per step (the page faults
-of mapping fresh memory); 1 MiB gave 2.0 GiB at 30 % more time. A fixed threshold is set for the rest
-of the process, unless the user chose one (``MALLOC_MMAP_THRESHOLD_``) or the C library is not glibc.
+of mapping fresh memory); 1 MiB gave 2.0 GiB at 30 % more time. A layer-at-a-time pass frees a layer's
+weights (tens of MiB) per layer: with the dynamic threshold a 1.1B-parameter model held a layer at a
+time grew by about a layer per layer (2.1 GiB at the end), with a fixed 1 MiB one it peaked at 1.06 GiB.
+A fixed threshold is set for the rest of the process, unless the user chose one (``MALLOC_MMAP_THRESHOLD_``)
+or the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 TRAINING_MMAP_THRESHOLD = 4 * 2 ** 20
+LAYER_PASS_MMAP_THRESHOLD = 2 ** 20
 
 
 def fix_mmap_threshold(threshold: int = TRAINING_MMAP_THRESHOLD) -> bool:
