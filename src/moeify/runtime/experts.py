@@ -34,6 +34,22 @@ class HiddenNeurons(nn.Module):
             return self.act(self.up(x))
         return self.act(self.gate(x)) * self.up(x)
 
+    def forward_float32(self, x: Tensor) -> Tensor:
+        """``forward`` in float32 whatever the weights' dtype (a router's scores: a bfloat16 model then picks
+        the experts its float32 twin picks, instead of flipping near-ties on bfloat16 rounding). Projections
+        wrapped by an adapter (LoRA while fine-tuning) run as they are."""
+        if type(self.up) is not nn.Linear or (self.gate is not None and type(self.gate) is not nn.Linear):
+            return self(x).float()
+
+        def linear(module: nn.Linear, x: Tensor) -> Tensor:
+            bias = None if module.bias is None else module.bias.float()
+            return F.linear(x, module.weight.float(), bias)
+
+        x = x.float()
+        if self.gate is None:
+            return self.act(linear(self.up, x))
+        return self.act(linear(self.gate, x)) * linear(self.up, x)
+
 
 class ExpertMLP(nn.Module):
     """One expert (or the always-on shared part): a slice of the dense MLP's neurons."""

@@ -139,8 +139,8 @@ class RepresentativeRouter(nn.Module):
         return top_k_spec(self, bias_speed=self.bias_speed, score=self.score)
 
     def scores(self, x: Tensor) -> Tensor:
-        """s (tokens, experts): the representative neurons' hidden values, |h_R| or signed."""
-        h = self.neurons(x).float()
+        """s (tokens, experts): the representative neurons' hidden values, |h_R| or signed, in float32."""
+        h = self.neurons.forward_float32(x)
         return h.abs() if self.score == "abs" else h
 
     def linear_form(self) -> LinearForm:
