@@ -47,7 +47,8 @@ def test_convert_stops_before_loading_when_the_plan_does_not_fit(monkeypatch):
     monkeypatch.setattr(importlib.import_module("moeify.api.convert"), "load_model",
                         lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(OptionError, match=r"needs about 0\.\d GiB at its peak \(evaluate MoE\), and cpu has "
-                                          r"0\.0 GiB free; try --dtype bfloat16 .*a machine or device with more"):
+                                          r"0\.0 GiB free; try --layer-by-layer \(one decoder layer in memory "
+                                          r"at a time\), or --dtype bfloat16 .*a machine or device with more"):
         moeify.convert(None, "cmoe", measure_speed=False)
     assert main(["convert", "--method", "cmoe", "--out", "unused", "--no-speed"]) == 2
 
