@@ -146,8 +146,8 @@ class LayerStream:
 
     def __init__(self, model: PreTrainedModel, adapter: DecoderAdapter, batches: Tensor | list[Tensor],
                  device: torch.device, batch_size: int, float32: bool) -> None:
-        self.model, self.adapter, self.batches, self.device, self.batch_size = model, adapter, batches, device, batch_size
-        self.float32 = float32
+        self.model, self.adapter, self.batches = model, adapter, batches
+        self.device, self.batch_size, self.float32 = device, batch_size, float32
         self.outputs: list[Tensor] = []
 
     def __len__(self) -> int:
