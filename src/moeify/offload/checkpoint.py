@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -72,14 +71,6 @@ def write_tensors(tensors: dict[str, Tensor], path: Path) -> None:
     save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, tmp,
               metadata={"format": "pt"})
     os.replace(tmp, path)
-
-
-def place_file(source: Path, target: Path) -> None:
-    """``target`` with ``source``'s content: a hard link where the file system allows, else a copy."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
 
 
 def write_index(weight_map: dict[str, str], total_bytes: int, folder: Path) -> None:

@@ -79,7 +79,6 @@ class LayeredModel:
         self.prefixes = [names[id(self.adapter.layer(i))] + "." for i in range(self.adapter.num_layers)]
         self._sink: Path | None = None
         self._written: dict[int, Path] = {}
-        self._kept_buffers: dict[int, set[str]] = {}
 
     def layer_names(self, index: int) -> list[str]:
         """The checkpoint names of layer ``index``'s tensors."""
@@ -95,7 +94,6 @@ class LayeredModel:
         state = {name: (t.to(self.dtype) if name in params and t.is_floating_point() else t).to(device)
                  for name, t in state.items()}
         layer.load_state_dict(state, assign=True)
-        self._kept_buffers[index] = {name for name, _ in layer.named_buffers()}
         return layer.to(device)
 
     def release(self, index: int) -> None:
@@ -108,10 +106,10 @@ class LayeredModel:
                                for name, t in layer.state_dict().items()}, assign=True)
 
     def finish(self, index: int) -> None:
-        """The pass is done with layer ``index``: written first (inside ``writing``), then released."""
+        """The pass is done with layer ``index``: written first (inside ``writing``; the pass has cast it back
+        to the working dtype), then released."""
         if self._sink is not None:
             layer = self.adapter.layer(index)
-            cast_new_state(layer, self.dtype, self._kept_buffers.get(index, set()))
             path = self._sink / f"layer-{index:05d}.safetensors"
             write_tensors({self.prefixes[index] + name: t for name, t in layer.state_dict().items()}, path)
             self._written[index] = path
