@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # two conversions with training per method (~15 s
 RUNS = {
     "dsmoe": ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "analyses=false"],
     "dense2moe": ["steps=3", "warmup=1", "batch_size=4", "seq_len=64", "checkpoint_every=2", "calib_samples=2"],
+    "tomoe": ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "attention=on"],
     "cmoe": ["spec=S1A1E8", "finetune_samples=8", "finetune_batch_size=4", "finetune_seq_len=64", "calib_samples=2"],
 }
 

@@ -7,6 +7,7 @@ import torch
 
 from moeify.training.checkpoint import latest_step
 from moeify.training.loop import Checkpointing, TrainPlan, train
+from moeify.training.noise import step_noise, uniform
 from tests.helpers.tiny_models import tiny_model
 from tests.helpers.weights import assert_same_weights
 
@@ -108,3 +109,22 @@ def test_an_epoch_sees_every_window_once_in_a_seeded_order():
         epoch_windows(stream, 10, 11, seed=0)
     with pytest.raises(ValueError, match=r"steps=3 must be ceil\(epoch_samples / batch_size\) = 4"):
         TrainPlan(steps=3, batch_size=2, seq_len=10, epoch_samples=7)
+
+
+def test_window_noise_does_not_depend_on_how_the_batch_is_split():
+    like = torch.empty(4, 3, 5)
+    with step_noise(7, 2, range(4)):
+        whole, per_step = uniform(like, ("mask", 0)), uniform(like[0], ("s_0", 0), per_window=False)
+        assert torch.equal(uniform(like, ("mask", 0)), whole)  # a recomputed forward draws it again
+        assert not torch.equal(uniform(like, ("mask", 1)), whole)
+    with step_noise(7, 2, [2, 3]):  # another process's share of the same step
+        assert torch.equal(uniform(like[:2], ("mask", 0)), whole[2:])
+        assert torch.equal(uniform(like[0], ("s_0", 0), per_window=False), per_step)
+    with step_noise(7, 3, range(4)):
+        assert not torch.equal(uniform(like, ("mask", 0)), whole)
+    with step_noise(7, 2, [0]), pytest.raises(ValueError, match="micro-batch of 1 windows"):
+        uniform(like, ("mask", 0))
+    torch.manual_seed(0)  # outside a training step: torch's global generator
+    drawn = uniform(like, ("mask", 0))
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.rand(like.shape))

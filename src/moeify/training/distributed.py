@@ -8,8 +8,10 @@ same optimizer step as one process with the whole batch would (up to float summa
 result therefore does not depend on the process count. Only the main process (rank 0) writes checkpoints
 and outputs. The backend is NCCL where the work device is a GPU, gloo on CPU.
 
-Randomness drawn inside a training step (ToMoE's Gumbel noise, LoRA dropout) is drawn per process for
-its share of the batch, so those runs are equally valid but not bitwise the one-process run.
+Noise a loss draws inside a step (ToMoE's Gumbel samples) is each window's own (``noise.py``), and
+statistics of the whole batch (ToMoE's load balance and mask unions) are gathered from every process
+(``gathered``), so ToMoE too trains to the one-process weights. LoRA dropout (off by default) is drawn
+per process: such runs are equally valid but not bitwise the one-process run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import Tensor, nn
 
 
@@ -72,3 +75,13 @@ def all_reduce_gradients_(model: nn.Module) -> None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     all_reduce_sum_(param.grad for param in params)
+
+
+def gathered(tensor: Tensor) -> Tensor:
+    """Every process's ``tensor``, stacked: (processes, *shape); differentiable. A loss that every process
+    computes alike from the gathered statistics of the whole batch sends each process's slot the gradient
+    weighted by that process's share; the backward pass adds them up in the slot's owner (the shares add
+    to 1), so after the gradient sum each parameter has the gradient of the whole batch's loss."""
+    if not dist.is_initialized():
+        return tensor.unsqueeze(0)
+    return torch.stack(dist_nn.all_gather(tensor))

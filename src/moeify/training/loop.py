@@ -6,7 +6,8 @@ disjoint windows: one pass over them, as CMoE's fine-tune does) and splits them 
 micro-batches whose gradients add up (each micro-batch loss is weighted by its share of the windows, so
 a step equals one step on the whole batch, and the batches do not depend on ``grad_accum``: it trades
 memory for time only). Under torchrun the batch is first shared among the processes and their gradients
-summed (``distributed.py``); the result does not depend on the process count. Then the optimizer steps and
+summed (``distributed.py``); the result does not depend on the process count, nor does noise that a loss
+draws (``noise.py``: each window's own, whatever process or micro-batch holds it). Then the optimizer steps and
 ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
 the total to minimise under ``"loss"`` and any parts to log).
 
@@ -37,6 +38,7 @@ from moeify.offload.allocator import fix_mmap_threshold
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moeify.training.distributed import all_reduce_gradients_, all_reduce_sum_, barrier, is_main, rank, world_size
 from moeify.training.losses import lm_loss
+from moeify.training.noise import step_noise
 from moeify.training.recompute import recomputed_layers
 
 LossFn = Callable[[nn.Module, Tensor], dict[str, Tensor]]
@@ -182,23 +184,36 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
 
 
 def _gradients(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor, grad_accum: int,
-               loss_fn: LossFn, device: torch.device) -> dict[str, float]:
+               loss_fn: LossFn, device: torch.device, seed: int, step: int) -> dict[str, float]:
     """One step's gradients: this process's share of ``batch``, in ``grad_accum`` micro-batches, each loss
     weighted by its share of the whole batch's windows, then summed over the processes; returns the loss
-    parts (of the whole batch)."""
+    parts (of the whole batch). Noise drawn in a micro-batch is its windows' own (``noise.py``)."""
     optimizer.zero_grad(set_to_none=True)
-    share = batch.tensor_split(world_size())[rank()]
+    rows = torch.arange(len(batch)).tensor_split(world_size())[rank()]
     sums: dict[str, float] = {}
-    for micro in (m for m in share.tensor_split(grad_accum) if len(m)):
-        weight = len(micro) / len(batch)
-        parts = loss_fn(model, micro.to(device))
-        (parts["loss"] * weight).backward()
+    for windows in (w for w in rows.tensor_split(grad_accum) if len(w)):
+        weight = len(windows) / len(batch)
+        with step_noise(seed, step, windows.tolist()):
+            parts = loss_fn(model, batch[windows].to(device))
+            (parts["loss"] * weight).backward()
         for name, value in parts.items():
             sums[name] = sums.get(name, 0.0) + float(value.detach()) * weight
     all_reduce_gradients_(model)
     totals = torch.tensor(list(sums.values()), dtype=torch.float64)
     all_reduce_sum_([totals])
     return dict(zip(sums, totals.tolist()))
+
+
+def _check_shares(plan: TrainPlan) -> None:
+    """Every process must get windows in each step, and as many micro-batches as the others (a loss may
+    gather statistics of a whole micro-batch across the processes)."""
+    smallest = plan.epoch_samples - (plan.steps - 1) * plan.batch_size if plan.epoch_samples else plan.batch_size
+    if smallest < world_size():
+        raise ValueError(f"a step of {smallest} windows cannot be shared among {world_size()} processes: "
+                         "use fewer processes or a larger batch_size")
+    if world_size() > 1 and smallest // world_size() < plan.grad_accum:
+        raise ValueError(f"a step of {smallest} windows shared among {world_size()} processes leaves fewer than "
+                         f"grad_accum={plan.grad_accum} windows to a process: lower grad_accum")
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, plan: TrainPlan, *, seed: int,
@@ -210,10 +225,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     ``network``: the causal LM whose decoder layers ``plan.recompute`` checkpoints, when ``model`` is not
     it (ToMoE trains its own modules; an adapter wrapper hides the layers)."""
     fix_mmap_threshold()  # freed activations go back to the system instead of fragmenting the heap
-    smallest = plan.epoch_samples - (plan.steps - 1) * plan.batch_size if plan.epoch_samples else plan.batch_size
-    if smallest < world_size():
-        raise ValueError(f"a step of {smallest} windows cannot be shared among {world_size()} processes: "
-                         "use fewer processes or a larger batch_size")
+    _check_shares(plan)
     generator = torch.Generator().manual_seed(seed)
     start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
     log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
@@ -229,7 +241,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                     batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
                 else:
                     batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
-                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, device)
+                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, device, seed, step)
                 if plan.schedule is not None:
                     scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
                 optimizer.step()

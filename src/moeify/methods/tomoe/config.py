@@ -30,8 +30,8 @@ class TomoeConfig:
     beta: float = option(2.0, "weight of R_U, the union-of-experts regulariser (Eq. 7)", low=0.0)
     gamma: float = option(1.0, "weight of R_L, the load-balancing loss (Eq. 9)", low=0.0)
     batch_size: int = option(4, "sequences per optimizer step", low=1)
-    grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple): memory for time; R_L's "
-                                "load balance and the Gumbel noise are then per micro-batch", low=1)
+    grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple): memory for time; the "
+                                "token statistics of R_L and R_U are then per micro-batch", low=1)
     seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
     calib_samples: int = option(8, "calibration windows that fix K of the V/O top-K (§3.3)", low=1)
     checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)", low=0)

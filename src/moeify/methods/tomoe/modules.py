@@ -17,11 +17,14 @@ Both switch off (``enabled = False``) for the in-place teacher pass (Listing 1).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moeify.arch.mlp import MlpWeights
+from moeify.training import noise
 
 EMBED_DIM = 128   # d_e (Table 8)
 Z_DIM = 32        # the hypernetwork's input width (Table 8)
@@ -29,37 +32,41 @@ GRU_HIDDEN = 64   # per direction: 2 x 64 = d_e
 KEEP_BIAS = 3.0   # b of Eq. 15: every mask starts (almost surely) all ones, "the whole model"
 
 
-def _uniform(like: Tensor) -> Tensor:
-    """U(0, 1) samples of ``like``'s shape (contiguous, whatever ``like``'s strides), clamped off 0 and 1."""
-    return torch.rand(like.shape, dtype=like.dtype, device=like.device).clamp(1e-6, 1 - 1e-6)
+def _uniform(like: Tensor, key: Hashable, per_window: bool) -> Tensor:
+    """U(0, 1) samples of ``like``'s shape, clamped off 0 and 1; within a training step the same for a
+    window however the batch is split (``training.noise``)."""
+    return noise.uniform(like, key, per_window).clamp(1e-6, 1 - 1e-6)
 
 
-def gumbel_noise(like: Tensor) -> Tensor:
+def gumbel_noise(like: Tensor, key: Hashable = None, per_window: bool = True) -> Tensor:
     """Gumbel(0, 1) samples shaped like ``like``: -log(-log u)."""
-    return -torch.log(-torch.log(_uniform(like)))
+    return -torch.log(-torch.log(_uniform(like, key, per_window)))
 
 
-def logistic_noise(like: Tensor) -> Tensor:
+def logistic_noise(like: Tensor, key: Hashable = None, per_window: bool = True) -> Tensor:
     """g1 - g2 for two Gumbel(0, 1) samples: the noise of a two-class Gumbel-softmax. Its median is 0 (the
     Gumbel's is 0.37), but at b = 3 it drops 4.7 % of the neurons of a logit-0 mask from the first step."""
-    u = _uniform(like)
+    u = _uniform(like, key, per_window)
     return torch.log(u) - torch.log1p(-u)
 
 
 MASK_NOISE = {"gumbel": gumbel_noise, "logistic": logistic_noise}
 
 
-def st_gumbel_sigmoid(logits: Tensor, tau: float, noise: str | None = "gumbel") -> Tensor:
+def st_gumbel_sigmoid(logits: Tensor, tau: float, noise: str | None = "gumbel", key: Hashable = None,
+                      per_window: bool = True) -> Tensor:
     """Eq. 15: round(sigmoid((x + g + b) / tau)) forward, the sigmoid's gradient backward; g from
-    ``MASK_NOISE[noise]`` (the paper: one Gumbel(0, 1) sample), none with ``noise=None``."""
-    shifted = logits + KEEP_BIAS + (MASK_NOISE[noise](logits) if noise else 0.0)
+    ``MASK_NOISE[noise]`` (the paper: one Gumbel(0, 1) sample), none with ``noise=None``. ``key`` names the
+    draw, ``per_window``: ``logits``' first dimension runs over the batch's windows (``training.noise``)."""
+    shifted = logits + KEEP_BIAS + (MASK_NOISE[noise](logits, key, per_window) if noise else 0.0)
     soft = torch.sigmoid(shifted / tau)
     return (soft > 0.5).to(soft.dtype) - soft.detach() + soft
 
 
-def st_gumbel_softmax(logits: Tensor, tau: float, noise: bool = True) -> tuple[Tensor, Tensor]:
-    """Eq. 14: (one-hot of argmax (x + g) / tau with the soft sample's gradient, the soft sample itself)."""
-    gumbel = gumbel_noise(logits) if noise else 0.0
+def st_gumbel_softmax(logits: Tensor, tau: float, noise: bool = True, key: Hashable = None) -> tuple[Tensor, Tensor]:
+    """Eq. 14: (one-hot of argmax (x + g) / tau with the soft sample's gradient, the soft sample itself);
+    ``logits``' first dimension runs over the batch's windows."""
+    gumbel = gumbel_noise(logits, key) if noise else 0.0
     soft = torch.softmax((logits + gumbel) / tau, dim=-1)
     hard = torch.zeros_like(soft).scatter(-1, soft.argmax(dim=-1, keepdim=True), 1.0)
     return hard - soft.detach() + soft, soft
@@ -102,9 +109,10 @@ class MaskedMLP(nn.Module):
     After a forward pass: ``hard`` (tokens, N) one-hot decisions and ``soft`` their Gumbel-softmax
     probabilities, for the load-balancing loss (Eq. 9)."""
 
-    def __init__(self, weights: MlpWeights, modules: LayerModules, tau: float, mask_noise: str = "gumbel") -> None:
+    def __init__(self, weights: MlpWeights, modules: LayerModules, tau: float, mask_noise: str = "gumbel",
+                 layer: int = 0) -> None:
         super().__init__()
-        self.weights, self.modules_, self.tau = weights, modules, tau
+        self.weights, self.modules_, self.tau, self.layer = weights, modules, tau, layer
         self.embeddings: Tensor | None = None  # E_l, set before every step
         self.enabled = True
         self.noise: str | None = mask_noise  # None: the deterministic masks of the converted model
@@ -116,9 +124,11 @@ class MaskedMLP(nn.Module):
             return self.weights.forward(hidden_states)
         # the learned modules stay in float32 whatever the model's dtype: cast in, and the masks back out
         x = hidden_states.to(self.embeddings.dtype)
-        g, self.soft = st_gumbel_softmax(self.modules_.router(x), self.tau, self.noise is not None)  # Eq. 3
+        g, self.soft = st_gumbel_softmax(self.modules_.router(x), self.tau, self.noise is not None,
+                                         ("router", self.layer))                                      # Eq. 3
         self.hard = g.detach()
-        s = st_gumbel_sigmoid(self.modules_.proj_mlp(g @ self.embeddings), self.tau, self.noise)   # s: Eq. 3
+        s = st_gumbel_sigmoid(self.modules_.proj_mlp(g @ self.embeddings), self.tau, self.noise,
+                              ("mlp_mask", self.layer))                                              # s: Eq. 3
         w = self.weights
         return nn.functional.linear(w.hidden(hidden_states) * s.to(hidden_states.dtype), w.down, w.down_bias)  # Eq. 2
 
@@ -131,8 +141,8 @@ class AttentionMasks:
     token (tokens, head_dim), for the union and parameter regularisers; ``qk_kept`` holds s_0' (head_dim,)."""
 
     def __init__(self, attn: nn.Module, projections: dict[str, nn.Linear], modules: LayerModules,
-                 tau: float, mask_noise: str = "gumbel") -> None:
-        self.modules_, self.tau, self.head_dim = modules, tau, attn.head_dim
+                 tau: float, mask_noise: str = "gumbel", layer: int = 0) -> None:
+        self.modules_, self.tau, self.head_dim, self.layer = modules, tau, attn.head_dim, layer
         self.mean_embedding: Tensor | None = None  # (1/N) 1^T E, set before every step
         self.enabled = True
         self.noise: str | None = mask_noise
@@ -153,11 +163,12 @@ class AttentionMasks:
             return
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         m = self.modules_
-        half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise)   # s_0: Eq. 5 at t = 0
+        half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise, ("qk_mask", self.layer),
+                                 per_window=False)                                       # s_0: Eq. 5 at t = 0
         self.qk_kept = torch.cat([half, half])                                           # Appendix A.2
         logits = m.proj_vo(m.proj_e(x.to(self.mean_embedding.dtype)) + self.mean_embedding)  # float32 modules
         self.token_logits = logits.detach()  # what the conversion thresholds
-        self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise)              # s_t: Eq. 5
+        self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise, ("vo_mask", self.layer))  # s_t: Eq. 5
         self.tokens_kept = self._token_masks.reshape(-1, self.head_dim)
 
     def _apply(self, out: Tensor, mask: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ from moeify.methods.tomoe.modules import (
 )
 from moeify.moe.head_dim import head_dim_costs
 from moeify.planning import MethodMemory, ModelShape, method_memory
+from moeify.training.distributed import gathered
 from moeify.training.loop import Checkpointing, TrainPlan, train
 from moeify.training.losses import distillation_kl, final_hidden_states
 
@@ -69,11 +70,12 @@ class MaskedModel:
         adapter = ctx.adapter
         self.dense = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
         self.weights = [adapter.mlp(i) for i in range(adapter.num_layers)]
-        self.mlps = [MaskedMLP(w, m, cfg.tau, cfg.mask_noise) for w, m in zip(self.weights, theta.layers)]
+        self.mlps = [MaskedMLP(w, m, cfg.tau, cfg.mask_noise, layer=i)
+                     for i, (w, m) in enumerate(zip(self.weights, theta.layers))]
         self.attention = []
         if cfg.attention == "on":
             self.attention = [AttentionMasks(adapter.attention_module(i), adapter.attention_projections(i), m,
-                                             cfg.tau, cfg.mask_noise) for i, m in enumerate(theta.layers)]
+                                             cfg.tau, cfg.mask_noise, layer=i) for i, m in enumerate(theta.layers)]
         self.total = sum(adapter.attention_params(i) + w.num_params for i, w in enumerate(self.weights))
         for i, mlp in enumerate(self.mlps):
             adapter.replace_mlp_(i, mlp)
@@ -100,25 +102,52 @@ class MaskedModel:
             part.enabled = on
 
     def regularisers(self, embeddings: Tensor) -> dict[str, Tensor]:
-        """R_P, R_U, R_L of the last student pass, and the activated ratio T / T_total it implies."""
+        """R_P, R_U, R_L of the last student pass, and the activated ratio T / T_total it implies. Their
+        token statistics (R_L's F and P, the attention widths and unions) are those of the step's whole
+        micro-batch, every process's share of it (``batch_statistics``), so a run does not depend on how
+        many processes share the batch."""
         adapter = self.ctx.adapter
+        n = self.cfg.num_experts
+        routed = [(mlp.hard.reshape(-1, n), mlp.soft.reshape(-1, n)) for mlp in self.mlps]
+        counts, shares, widths, kept = batch_statistics(
+            torch.tensor([float(len(routed[0][0]))], device=embeddings.device),
+            torch.stack([torch.stack([hard.sum(0), soft.sum(0)]) for hard, soft in routed]),
+            [masks.tokens_kept.sum(dim=1).sum() for masks in self.attention],
+            [torch.prod(1 - masks.tokens_kept, dim=0) for masks in self.attention])
+        tokens = counts[0]
         active, unions, balance = [], [], []
         for i, (mlp, weights) in enumerate(zip(self.mlps, self.weights)):
-            s_e = st_gumbel_sigmoid(mlp.modules_.proj_mlp(embeddings[i]), self.cfg.tau)  # Eq. 11: (N, d_mid)
+            s_e = st_gumbel_sigmoid(mlp.modules_.proj_mlp(embeddings[i]), self.cfg.tau,
+                                    key=("expert_mask", i), per_window=False)             # Eq. 11: (N, d_mid)
             active.append(s_e.sum(dim=1).max() * weights.params_per_neuron())         # widest expert
             unions.append(f_reg((1 - torch.prod(1 - s_e, dim=0)).mean(), 1.0))      # Eq. 16, 7
-            n = mlp.hard.shape[-1]
-            balance.append(n * (mlp.hard.reshape(-1, n).mean(0) * mlp.soft.reshape(-1, n).mean(0)).sum())  # Eq. 9
+            f, p = shares[i] / tokens                                                # F_i, P_i over the tokens
+            balance.append(n * (f * p).sum())                                          # Eq. 9
         for i, masks in enumerate(self.attention):
             per_qk, per_vo, fixed = head_dim_costs(adapter.attention_module(i))
-            active.append(masks.qk_kept.sum() * per_qk + masks.tokens_kept.sum(dim=1).mean() * per_vo + fixed)
-            unions.append(f_reg((1 - torch.prod(1 - masks.tokens_kept, dim=0)).mean(), 1.0))  # Eq. 6-7
+            active.append(masks.qk_kept.sum() * per_qk + widths[i] / tokens * per_vo + fixed)
+            unions.append(f_reg((1 - kept[i]).mean(), 1.0))                            # Eq. 6-7
         if not self.attention:
             active.append(torch.tensor(float(sum(adapter.attention_params(i) for i in range(adapter.num_layers)))))
         total_active = torch.stack(active).sum()
         return {"r_p": f_reg(total_active, self.cfg.active_ratio * self.total),                # Eq. 8
                 "r_u": torch.stack(unions).mean(), "r_l": torch.stack(balance).mean(),
                 "ratio": (total_active / self.total).detach()}
+
+
+def batch_statistics(counts: Tensor, shares: Tensor, widths: list[Tensor],
+                     kept: list[Tensor]) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """Token statistics of the whole micro-batch from this process's share: ``counts``, ``shares`` (the
+    per-expert sums of the hard and soft routing, (layers, 2, N)) and ``widths`` (per attention layer, the
+    kept width summed over the tokens) summed over the processes; ``kept`` (per attention layer, the
+    product over the tokens of 1 - s_t) multiplied over them. Differentiable (``gathered``)."""
+    sums = [counts, shares.flatten(), *(w.reshape(1) for w in widths)]
+    sizes = [t.numel() for t in sums]
+    every = gathered(torch.cat([*sums, *kept]))
+    summed, products = every[:, :sum(sizes)].sum(0), every[:, sum(sizes):].prod(0)
+    counts, flat_shares, flat_widths = summed.split(sizes[:2] + [len(widths)])
+    return (counts, flat_shares.view_as(shares), list(flat_widths),
+            list(products.split([k.numel() for k in kept])))
 
 
 def _fingerprint(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> dict[str, Any]:
