@@ -69,3 +69,15 @@ def test_a_saved_teal_model_reloads_with_the_same_logits(make_ctx, tokenizer, tm
 def test_sparsity_range_is_checked():
     with pytest.raises(OptionError, match=r"sparsity=1.0 is out of range; allowed: \[0.0, 0.99\]"):
         TealConfig(sparsity=1.0)
+
+
+def test_threshold_stays_float32_in_a_bfloat16_model():
+    t = 0.1234567  # not a bfloat16 value: rounding it would move the kept share
+    layer = ThresholdedLinear(4, 3, bias=False, sparsity=0.5, threshold=t).to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16 and layer.threshold.dtype == torch.float32
+    assert float(layer.threshold) == pytest.approx(t, rel=1e-7)
+    x = torch.tensor([[t * 1.001, 0.0, 0.0, 0.0]]).to(torch.bfloat16)
+    assert float(x[0, 0]) > t and x[0, 0] == torch.tensor(t).to(torch.bfloat16)  # above t, equal to t in bf16
+    layer.track_stats = True
+    layer(x)
+    assert layer.stats_kept == 1

@@ -57,7 +57,8 @@ def parameters_on_meta() -> Iterator[None]:
 
 def cast_new_state(module: nn.Module, dtype: torch.dtype, kept_buffers: set[str]) -> None:
     """Every floating parameter of ``module``, and every floating buffer not in ``kept_buffers`` (names
-    relative to ``module``), to ``dtype``: what a conversion built in float32 joins the working dtype."""
+    relative to ``module``) nor in its module's ``float32_buffers`` (e.g. TEAL's thresholds), to ``dtype``:
+    what a conversion built in float32 joins the working dtype."""
     with torch.no_grad():
         for param in module.parameters():
             if param.is_floating_point():
@@ -65,7 +66,8 @@ def cast_new_state(module: nn.Module, dtype: torch.dtype, kept_buffers: set[str]
         for module_name, sub in module.named_modules():
             for attr, buffer in sub._buffers.items():  # in place: persistence and hooks stay as they are
                 name = f"{module_name}.{attr}" if module_name else attr
-                if buffer is not None and buffer.is_floating_point() and name not in kept_buffers:
+                if buffer is not None and buffer.is_floating_point() and name not in kept_buffers \
+                        and attr not in getattr(sub, "float32_buffers", ()):
                     sub._buffers[attr] = buffer.to(dtype)
 
 

@@ -19,13 +19,19 @@ from torch import Tensor, nn
 
 class ThresholdedLinear(nn.Linear):
     """See the module docstring. ``sparsity`` is the fraction of inputs the threshold was calibrated to
-    zero (the nominal count); ``stats_*`` count, while ``track_stats`` is on, the inputs seen and kept."""
+    zero (the nominal count); ``stats_*`` count, while ``track_stats`` is on, the inputs seen and kept.
+
+    The threshold stays float32 whatever the weights' dtype (``float32_buffers``: casts move it but keep
+    its dtype) and inputs are compared with it in float32: t rounded to bfloat16 moves by up to 0.4 %,
+    which moves the share of inputs kept."""
+
+    float32_buffers = ("threshold",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, sparsity: float,
                  threshold: float = 0.0) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.sparsity = sparsity
-        self.register_buffer("threshold", torch.tensor(float(threshold)))
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
         self.track_stats = False
         self.reset_stats()
 
@@ -33,8 +39,14 @@ class ThresholdedLinear(nn.Linear):
         self.stats_inputs = 0
         self.stats_kept = 0
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "ThresholdedLinear":
+        threshold = self.threshold
+        super()._apply(fn, recurse)
+        self.threshold = threshold.to(device=self.threshold.device)
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
-        keep = x.abs() > self.threshold
+        keep = x.abs().to(torch.float32) > self.threshold
         if self.track_stats:
             self.stats_inputs += keep.numel()
             self.stats_kept += int(keep.sum())
