@@ -175,3 +175,36 @@ def test_dense2moe_export_keeps_the_fused_depth_and_the_softmax_weights(exports)
     assert config["norm_topk_prob"] is False and config["num_hidden_layers"] == 4  # one layer fused away
     assert [layer["routing"] for layer in record["layers"] if layer["routed"]] == [
         {"top_k": 1, "weighting": "softmax", "approximate": False}]
+
+
+def _qwen2_moe_active_params(config: dict) -> int:
+    """Activated attention + MLP projection parameters of a top-1 qwen2_moe checkpoint, from its config:
+    q/k/v with biases and o per layer; a dense layer's MLP, or the shared expert and one routed expert."""
+    d, hd = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    attention = d * q + 2 * d * kv + q * d + q + 2 * kv
+    total = 0
+    for layer in range(config["num_hidden_layers"]):
+        widths = ([config["intermediate_size"]] if layer in config["mlp_only_layers"] else
+                  [config["shared_expert_intermediate_size"], config["moe_intermediate_size"]])
+        total += attention + sum(3 * d * w for w in widths)
+    return total
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_eval_and_bench_take_an_export(native, exported, fmt, capsys):
+    """`moeify eval` measures an export as it does the conversion it came from: the same perplexity, APR
+    over the same dense model (the export's zero padding counted: the engine computes it); `moeify bench`
+    finds the dense model in the export's record."""
+    _, folder = exported[fmt]
+    source = moeify.evaluate(*moeify.load_model(native))
+    export = moeify.evaluate(*moeify.load_model(folder))
+    assert export["ppl"] == pytest.approx(source["ppl"], rel=1e-5)
+    assert export["active"]["total_params"] == source["active"]["total_params"]
+    assert source["active"]["apr"] < export["active"]["apr"]  # mixtral: > 1, the backbone in every expert
+    if fmt == "qwen2_moe":
+        config = json.loads((folder / "config.json").read_text())
+        assert export["active"]["active_params"] == _qwen2_moe_active_params(config)
+    assert main(["bench", str(folder), "--repeats", "1", "--batch-sizes", "1", "--seq-len", "16",
+                 "--new-tokens", "2"]) == 0
+    assert "ideal speed-up" in capsys.readouterr().out

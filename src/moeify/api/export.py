@@ -3,12 +3,13 @@ build the standard-format model, measure it, write it. Returns the record; print
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, read_text
 from moeify.evaluation.perplexity import perplexity
-from moeify.evaluation.record import library_versions
+from moeify.evaluation.record import RECORD_NAME, library_versions
 from moeify.export.hf_distill import distill_routers
 from moeify.export.hf_export import EXPORTERS, NotExportable, Support, distillable_layers, save_hf
 from moeify.files import check_output_dir
@@ -50,6 +51,8 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, distill_step
     if not support and not (support.distillable and distill_steps):
         raise NotExportable(str(support))
     record: dict[str, Any] = {"command": "export", "source": str(source), "versions": library_versions()}
+    if (converted := Path(source) / RECORD_NAME).is_file():  # the dense model `moeify bench` compares with
+        record["dense_model"] = json.loads(converted.read_text())["model"]
     if distill_steps is None:
         export = exporter.build(model)
     else:

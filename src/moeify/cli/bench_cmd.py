@@ -15,10 +15,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench", help="measure MoE vs dense speed in one process",
         description="Prefill tokens/s at several batch sizes and decode tokens/s (greedy, KV cache) of "
                     "MODEL_OR_DIR and of the dense model it came from (--against, default: the model named in "
-                    "its record.json), measured in the same process: warm-up, then the median of repeats. "
+                    "its record.json, or a standard export's moeify_export.json), measured in the same "
+                    "process: warm-up, then the median of repeats. "
                     "Also prints the ideal speed-up from multiply-accumulate counts and the peak memory.")
     parser.add_argument("model", help="converted folder (or any model)")
-    parser.add_argument("--against", default=None, help="dense model (default: from record.json)")
+    parser.add_argument("--against", default=None, help="dense model (default: from record.json or moeify_export.json)")
     parser.add_argument("--batch-sizes", default="1,8", help="prefill batch sizes, comma-separated (default 1,8)")
     parser.add_argument("--seq-len", type=int, default=256, help="prefill length and decode prompt (default 256)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per sequence (default 32)")
@@ -39,21 +40,28 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _dense_model(folder: Path) -> str:
+    """The dense model a converted folder (its record.json) or a standard export (its moeify_export.json)
+    came from."""
+    from moeify.evaluation.record import RECORD_NAME
+    from moeify.export.hf_export import EXPORT_RECORD
+
+    for name, key in ((RECORD_NAME, "model"), (EXPORT_RECORD, "dense_model")):
+        if (path := folder / name).is_file() and key in (record := json.loads(path.read_text())):
+            return record[key]
+    raise ValueError(f"{folder} has no {RECORD_NAME} (nor an export record naming the dense model); pass the dense "
+                     "model with --against")
+
+
 def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.evaluation.bench import benchmark_pair
-    from moeify.evaluation.record import RECORD_NAME
 
     sizes = _batch_sizes(args.batch_sizes)
     for name in ("seq_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range; allowed: >= 1")
-    against = args.against
-    record = Path(args.model) / RECORD_NAME
-    if against is None:
-        if not record.is_file():
-            raise ValueError(f"{args.model} has no {RECORD_NAME}; pass the dense model with --against")
-        against = json.loads(record.read_text())["model"]
+    against = args.against if args.against is not None else _dense_model(Path(args.model))
     moe, _ = moeify.load_model(args.model, args.device, args.dtype)
     dense, _ = moeify.load_model(against, args.device, args.dtype)
     result = benchmark_pair(dense, moe, sizes, args.seq_len, args.new_tokens, args.repeats)

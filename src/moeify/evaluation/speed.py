@@ -59,11 +59,10 @@ def macs_per_token(model: nn.Module, seq_len: int, measured: bool = False) -> fl
     """Multiply-accumulates per token: the activated projections (attention + MLP, as in the activated-
     parameter accounting), the attention scores (QK^T and AV over seq_len/2 keys on average, causal) and
     the LM head. Routers and norms are ignored (small)."""
-    from moeify.arch import DecoderAdapter
     from moeify.moe.accounting import activated_parameters
+    from moeify.moe.standard_moe import decoder_layers
 
-    adapter = DecoderAdapter(model)
     active = activated_parameters(model, measured=measured).active_params
     head = model.get_output_embeddings().weight.numel()
-    scores = adapter.num_layers * seq_len * model.config.hidden_size
+    scores = len(decoder_layers(model)) * seq_len * model.config.hidden_size
     return active + scores + head

@@ -26,6 +26,8 @@ from moeify.arch import DecoderAdapter, UnsupportedFamilyError
 from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
 from moeify.files import atomic_dir
+from moeify.moe.accounting import dense_reference
+from moeify.moe.standard_moe import DENSE_REFERENCE_KEY
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.packed import GROUPED_MM_DTYPES
@@ -173,6 +175,7 @@ class HfExporter:
         if not analysis.support:
             raise NotExportable(str(analysis.support))
         parts, config = analysis.parts, analysis.config
+        setattr(config, DENSE_REFERENCE_KEY, dense_reference(model))  # APR's denominator for `moeify eval`
         dtype = next(model.parameters()).dtype
         # grouped_mm (transformers' default experts kernel) has no float64; eager computes the same function
         kernel = {} if dtype in GROUPED_MM_DTYPES else {"experts_implementation": "eager"}

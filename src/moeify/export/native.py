@@ -8,9 +8,9 @@ shard per decoder layer and the index), the tokenizer, verbatim copies of the ru
 (``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``packed.py``, ``attention.py``,
 ``sparse_inputs.py``, which import each other relatively, so they run the same in the package and in the
 folder) and ``modeling_moeify.py``. Attention modules with a pruned head dimension are listed under
-``moeify.attention``, projections with thresholded inputs (TEAL) under ``moeify.sparse_inputs``. The changed ``model_type``
-makes a plain ``from_pretrained`` without ``trust_remote_code`` fail loudly instead of silently loading
-dense MLPs with missing weights.
+``moeify.attention``, projections with thresholded inputs (TEAL) under ``moeify.sparse_inputs``. The changed
+``model_type`` makes a plain ``from_pretrained`` without ``trust_remote_code`` fail loudly instead of silently
+loading dense MLPs with missing weights.
 """
 
 from __future__ import annotations

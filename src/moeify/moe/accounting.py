@@ -29,6 +29,7 @@ from torch import nn
 
 from moeify.arch import DecoderAdapter
 from moeify.files import MOEIFY_KEY
+from moeify.moe.standard_moe import DENSE_REFERENCE_KEY, decoder_layers, is_standard_moe, layer_counts
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.sparse_inputs import ThresholdedLinear
@@ -41,13 +42,18 @@ def _neuron_params(layer: MoeMLP) -> int:
     return per + (0 if n.up.bias is None else (2 if n.gated else 1))
 
 
+def _dense_mlp_params(layer: MoeMLP) -> int:
+    """The parameters of the dense MLP that ``layer`` was made from."""
+    return layer.dense_width * _neuron_params(layer) + (0 if layer.down_bias is None else layer.down_bias.numel())
+
+
 def moe_layer_counts(layer: MoeMLP, measured: bool) -> tuple[int, float, int]:
     """(dense-equivalent MLP params, expected active MLP params per token, router params)."""
     per = _neuron_params(layer)
     widths = layer.expert_widths
     shared = 0 if layer.shared is None else layer.shared.width
     bias = 0 if layer.down_bias is None else layer.down_bias.numel()
-    dense = layer.dense_width * per + bias
+    dense = _dense_mlp_params(layer)
     if layer.router is None:
         return dense, shared * per + bias, 0
     if measured and layer.stats_tokens:
@@ -110,7 +116,10 @@ def removed_layers(model: nn.Module) -> list[dict[str, int]]:
 
 
 def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParams:
-    """Count the model's activated parameters (see the module docstring)."""
+    """Count the model's activated parameters (see the module docstring); a MoE architecture of
+    transformers' own (a standard export) is counted by ``standard_moe``."""
+    if is_standard_moe(model):
+        return _standard_moe_parameters(model)
     adapter = DecoderAdapter(model)
     attn = attn_active = mlp_dense = mlp_active = 0.0
     router = 0
@@ -135,6 +144,32 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
     return ActiveParams(total_params=int(total), active_params=active, apr=active / total,
                         mlp_ratio=mlp_active / mlp_dense, router_params=router,
                         per_layer_mlp_ratio=per_layer, measured=any_measured)
+
+
+def dense_reference(model: nn.Module) -> dict[str, int]:
+    """The attention and MLP projection counts of the dense model ``model`` came from (removed layers
+    included): APR's denominator, which a standard export carries in its config (``standard_moe``)."""
+    adapter = DecoderAdapter(model)
+    removed = removed_layers(model)
+    attention = sum(layer_attention_counts(adapter, i, False)[0] for i in range(adapter.num_layers))
+    mlp = sum(_dense_mlp_params(m) if isinstance(m := adapter.mlp_module(i), MoeMLP) else adapter.dense_mlp_params(i)
+              for i in range(adapter.num_layers))
+    return {"attention_params": int(attention + sum(e["attention_params"] for e in removed)),
+            "mlp_params": int(mlp + sum(e["mlp_params"] for e in removed))}
+
+
+def _standard_moe_parameters(model: nn.Module) -> ActiveParams:
+    """``ActiveParams`` of a transformers MoE architecture (``standard_moe``); every token runs top_k
+    experts, so nominal and measured agree. ``per_layer_mlp_ratio``: active / stored MLP parameters."""
+    counts = [layer_counts(layer, model.config.num_experts_per_tok) for layer in decoder_layers(model)]
+    attention, mlp_active = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    reference = getattr(model.config, DENSE_REFERENCE_KEY, None) or {
+        "attention_params": attention, "mlp_params": sum(c[3] for c in counts)}
+    total = reference["attention_params"] + reference["mlp_params"]
+    return ActiveParams(total_params=int(total), active_params=attention + mlp_active,
+                        apr=(attention + mlp_active) / total, mlp_ratio=mlp_active / reference["mlp_params"],
+                        router_params=sum(c[2] for c in counts),
+                        per_layer_mlp_ratio=[c[1] / c[3] for c in counts], measured=False)
 
 
 PAPER_RATIOS = {
