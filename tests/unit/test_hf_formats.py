@@ -19,7 +19,7 @@ from moeify.runtime.packed import aligned_width
 from moeify.runtime.routers import Dispatch, LinearForm, PrototypeRouter, ThresholdRouter
 from tests.helpers.tiny_models import tiny_model
 
-FORMATS = tuple(EXPORTERS)
+FORMATS = ("glm4_moe", "qwen2_moe", "mixtral")  # the MoE formats; llama takes what routes nothing
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 SHARED, WIDTHS = 24, (22, 18, 14, 10)  # 88 neurons: unequal experts, as MoRE and CMoE make them
 
@@ -172,8 +172,13 @@ def test_routers_no_format_computes_are_explained(router, reason):
         assert not support and reason in str(support) and not support.distillable
 
 
-def test_a_dense_model_has_nothing_to_export():
+def test_a_dense_model_has_nothing_to_export_as_moe_and_exports_as_llama():
     assert "no layer is routed" in str(EXPORTERS["mixtral"].supports(tiny_model("llama"), explain=True))
+    for family in ("llama", "qwen2"):  # Qwen2's q/k/v biases: LLaMA's attention_bias with a zero o_proj bias
+        source = tiny_model(family)
+        export = EXPORTERS["llama"].build(source)
+        assert export.record["exact"] and export.record["max_abs_mlp_diff_float64"] == 0.0
+        assert export.record["max_abs_logit_diff"] < 1e-5 and export.model.config.model_type == "llama"
 
 
 def test_expert_widths_are_padded_for_grouped_mm():

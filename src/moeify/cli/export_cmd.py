@@ -12,7 +12,7 @@ from moeify.cli.format import print_table
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "export", help="write a converted model as a standard HF MoE model (glm4_moe, qwen2_moe, mixtral)",
+        "export", help="write a converted model as a standard HF model (glm4_moe, qwen2_moe, mixtral; llama if dense)",
         description="Write the converted model in MODEL_DIR as a standard transformers MoE architecture that "
                     "loads without trust_remote_code (and in serving engines), when the format represents the "
                     "conversion exactly; otherwise say why. --check lists what every format says. Non-linear "

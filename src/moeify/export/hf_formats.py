@@ -20,6 +20,8 @@ that holds a layer at those widths computes the native layer's float32 sums in t
   softmax weights are ``norm_topk_prob=False`` with any top-k.
 * ``mixtral``: no shared part and no dense layers: the shared part joins every expert and a dense
   layer is its whole MLP in every expert (``fold``); storage grows, per-token compute does not.
+* ``llama``: a conversion that routes nothing (static pruning of MLP channels): every layer's kept
+  neurons, zero-padded to the widest layer's width, in a dense LLaMA checkpoint that every engine runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import Glm4MoeConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
+from transformers import Glm4MoeConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
 
 from moeify.export.hf_parts import GatedMlp, LayerParts, fold
 from moeify.runtime.packed import aligned_width, packed_widths
@@ -256,4 +258,28 @@ class Mixtral:
         return [p.index for p in parts if p.shared.width]
 
 
-FORMATS: dict[str, TargetFormat] = {f.name: f for f in (Glm4Moe(), Qwen2Moe(), Mixtral())}
+class Llama:
+    name = "llama"
+    ties_embeddings = True
+    # a source with q/k/v biases (Qwen2) gets LLaMA's attention_bias, whose o_proj bias it lacks: zero
+    zero_filled = ("self_attn.o_proj.bias",)
+
+    def explain(self, parts: list[LayerParts], source: Source) -> list[str]:
+        routed = [str(p.index) for p in parts if p.routed]
+        if routed:
+            return [f"layers {', '.join(routed)} route tokens to experts; llama is dense (export to a MoE format)"]
+        return full_rotary_reasons(source, self.name)
+
+    def config(self, parts: list[LayerParts], source: Source) -> PretrainedConfig:
+        return LlamaConfig(**source.base_fields(), intermediate_size=_max([p.shared.width for p in parts]),
+                           attention_bias=source.has("self_attn.q_proj.bias"), mlp_bias=False)
+
+    def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]:
+        return {key: value for part in parts for key, value in
+                mlp_tensors(f"model.layers.{part.index}.mlp.", part.shared.padded(config.intermediate_size)).items()}
+
+    def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
+        return []
+
+
+FORMATS: dict[str, TargetFormat] = {f.name: f for f in (Glm4Moe(), Qwen2Moe(), Mixtral(), Llama())}

@@ -117,7 +117,8 @@ def removed_layers(model: nn.Module) -> list[dict[str, int]]:
 
 def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParams:
     """Count the model's activated parameters (see the module docstring); a MoE architecture of
-    transformers' own (a standard export) is counted by ``standard_moe``."""
+    transformers' own (a standard export) is counted by ``standard_moe``. A model exported from a
+    conversion is measured against the dense model it came from (``standard_moe.DENSE_REFERENCE_KEY``)."""
     if is_standard_moe(model):
         return _standard_moe_parameters(model)
     adapter = DecoderAdapter(model)
@@ -140,6 +141,8 @@ def activated_parameters(model: nn.Module, measured: bool = True) -> ActiveParam
     removed = removed_layers(model)  # in the dense total, never active
     mlp_dense += sum(entry["mlp_params"] for entry in removed)
     total = attn + sum(entry["attention_params"] for entry in removed) + mlp_dense
+    if reference := getattr(model.config, DENSE_REFERENCE_KEY, None):  # a dense export of a pruned model
+        mlp_dense, total = reference["mlp_params"], reference["attention_params"] + reference["mlp_params"]
     active = attn_active + mlp_active
     return ActiveParams(total_params=int(total), active_params=active, apr=active / total,
                         mlp_ratio=mlp_active / mlp_dense, router_params=router,
