@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 import moeify
 from moeify.api import ConversionResult
 from moeify.cli.main import main
-from moeify.export.hf_distill import agreement, fit_linear_router
+from moeify.export.hf_export import EXPORTERS
+from moeify.export.hf_distill import SCORE_SPAN, _routing, agreement, fit_linear_router, renormalised_weight_deviation
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from tests.helpers.conversion import clone, conversion_context
@@ -55,7 +56,42 @@ def test_fit_recovers_a_linear_router():
     """Choices made by a linear router are reproduced (nearly) exactly: the fit is not the bottleneck."""
     generator = torch.Generator().manual_seed(0)
     truth, x = torch.randn(6, 32, generator=generator), 3 * torch.randn(4000, 32, generator=generator)
-    chosen = (x @ truth.T).argmax(dim=-1)
+    chosen = (x @ truth.T).argmax(dim=-1, keepdim=True)
     weight = fit_linear_router(x[:3000], chosen[:3000], 6, steps=300)
     assert agreement(weight, x[3000:], chosen[3000:]) > 0.97
     assert agreement(fit_linear_router(x[:3000], chosen[:3000], 6, steps=1), x[3000:], chosen[3000:]) < 0.97
+
+
+
+def test_top2_sets_are_fitted_and_their_renormalised_weights_are_one():
+    """A linear router's top-2 sets are reproduced; scaled into SCORE_SPAN, qwen2_moe's renormalised
+    weights times 2 are 1 within about SCORE_SPAN, with the top-2 sets unchanged."""
+    generator = torch.Generator().manual_seed(0)
+    truth, x = torch.randn(6, 32, generator=generator), 3 * torch.randn(4000, 32, generator=generator)
+    chosen = (x @ truth.T).topk(2, dim=-1).indices
+    weight = fit_linear_router(x[:3000], chosen[:3000], 6, steps=300)
+    assert agreement(weight, x[3000:], chosen[3000:]) > 0.9
+    routing = _routing(weight, x[:3000], 2)
+    assert routing.weighting == "renormalised" and routing.expert_scale == 2.0 and routing.approximate
+    assert agreement(routing.weight, x[3000:], chosen[3000:]) == agreement(weight, x[3000:], chosen[3000:])
+    assert renormalised_weight_deviation(routing.weight, x[3000:], 2) < 2 * SCORE_SPAN
+    assert renormalised_weight_deviation(weight, x[3000:], 2) > 0.1  # unscaled, the weights are far from 1
+
+
+@pytest.mark.slow  # a top-2 CMoE conversion, 100 distillation steps, two perplexities
+def test_a_top2_cmoe_exports_as_qwen2_moe_with_renormalised_weights(stories, tokenizer, calib_text, tmp_path):
+    ctx = conversion_context(clone(stories[0]), tokenizer, calib_text)
+    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))  # top-2 of 7 routed experts, unit weights
+    native = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "native")
+    support = EXPORTERS["qwen2_moe"].supports(moeify.load(native), explain=True)
+    assert not support and support.distillable and "pass --distill-router STEPS" in str(support)
+    assert main(["export", str(native), "--format", "glm4_moe", "--out", str(tmp_path / "g"),
+                 "--distill-router", "100"]) == 2  # sigmoid scores: no renormalised softmax
+    assert main(["export", str(native), "--format", "qwen2_moe", "--out", str(tmp_path / "q"),
+                 "--distill-router", "100"]) == 0
+    record = json.loads((tmp_path / "q" / "moeify_export.json").read_text())
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["num_experts_per_tok"] == 2 and config["norm_topk_prob"] is True
+    layers = record["distillation"]["layers"]
+    assert all(layer["top_k"] == 2 and 0 < layer["max_weight_dev_from_1"] < 2 * SCORE_SPAN for layer in layers)
+    assert 1 / 21 < record["distillation"]["held_out_agreement"]  # beats chance: C(7, 2) = 21 sets

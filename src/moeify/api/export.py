@@ -51,8 +51,9 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, distill_step
     if not support and not (support.distillable and distill_steps):
         raise NotExportable(str(support))
     record: dict[str, Any] = {"command": "export", "source": str(source), "versions": library_versions()}
-    if (converted := Path(source) / RECORD_NAME).is_file():  # the dense model `moeify bench` compares with
-        record["dense_model"] = json.loads(converted.read_text())["model"]
+    converted = Path(source) / RECORD_NAME
+    if converted.is_file() and (dense := json.loads(converted.read_text()).get("model")):
+        record["dense_model"] = dense  # what `moeify bench` compares the export with
     if distill_steps is None:
         export = exporter.build(model)
     else:
@@ -68,7 +69,7 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, distill_step
         before = perplexity(model, tokenizer, eval_source, context).ppl
         after = perplexity(export.model, tokenizer, eval_source, context).ppl
         record["distillation"] = {
-            "approximation": "linear routers fitted to the original routers' top-1 decisions; the exported "
+            "approximation": "linear routers fitted to the original routers' top-k decisions; the exported "
                              "model is NOT the converted model",
             "steps": distill_steps, "calib": {"name": calib_source.name, "sha256": calib_source.sha256},
             "eval": {"name": eval_source.name, "sha256": eval_source.sha256},

@@ -68,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
             ("routed / dense layers", f"{routed} / {len(record['layers']) - routed}"),
             ("params source -> export", f"{record['params']['source']:,} -> {record['params']['export']:,}")]
     if distill := record.get("distillation"):
+        deviation = max(layer["max_weight_dev_from_1"] for layer in distill["layers"])
         rows += [("router agreement calib / held-out",
-                  f"{distill['calib_agreement']:.3f} / {distill['held_out_agreement']:.3f}"),
+                  f"{distill['calib_agreement']:.3f} / {distill['held_out_agreement']:.3f} (the chosen set exactly)"),
+                 ("max |expert weight - 1|, held-out", f"{deviation:.2g} (top-k renormalised weights)" if deviation
+                  else "0 (top-1)"),
                  (f"perplexity on {distill['eval']['name']}",
                   f"{distill['source_ppl']:.3f} -> {distill['export_ppl']:.3f} ({distill['ppl_change']:+.3f})")]
         print("warning: the routers were distilled; the exported model approximates the converted one",

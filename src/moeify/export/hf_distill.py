@@ -2,10 +2,18 @@
 
 Standard MoE formats compute router scores ``x @ W.T``; CMoE's router scores are SwiGLU hidden values
 of representative neurons, which no linear map reproduces. ``distill_routers`` records, on calibration
-text, each such layer's input x and the expert its router chose (top-1), and fits W by multinomial
-logistic regression (full-batch Adam, ``steps`` steps) from the experts' mean directions. The result is
-an approximation, labelled so everywhere: the export record carries the decision agreement on the
+text, each such layer's input x and the k experts its router chose, and fits W by multinomial logistic
+regression towards the chosen set (each chosen expert against the unchosen ones: ``set_loss``; full-batch
+Adam, ``steps`` steps) from the experts' mean directions. The result is an approximation, labelled so
+everywhere: the export record carries the decision agreement (the chosen set reproduced exactly) on the
 calibration tokens and on held-out tokens, and the caller measures the perplexity change.
+
+Top-k with k > 1 and unit weights (CMoE's S2A2E16) has no format: engines weigh the k experts by router
+scores. The closest is qwen2_moe's renormalised softmax (``norm_topk_prob``): weights p_i / sum of the
+chosen p, times k folded into the experts (``Routing.expert_scale``). W is scaled so that the scores on
+the calibration tokens stay within ``SCORE_SPAN`` of 0: the softmax then keeps their order while the
+renormalised weights are k p_i / sum p = 1 within about ``SCORE_SPAN`` (measured, per layer, on the
+held-out tokens: ``max_weight_dev_from_1``).
 
 Inputs are captured from the source model (each layer sees the source's own earlier layers), so the
 fit targets exactly the decisions the original router makes; errors can compound across layers in the
@@ -27,6 +35,7 @@ from moeify.export.hf_parts import Routing
 
 MAX_TOKENS = 16384  # per text: inputs of every distilled layer are held in memory (tokens x d floats)
 LEARNING_RATE = 0.05  # Adam, on inputs scaled to unit mean square
+SCORE_SPAN = 1e-3  # largest |score| of a top-k > 1 router on calibration tokens: weights 1 within ~1e-3
 
 
 @dataclass(frozen=True)
@@ -49,8 +58,8 @@ def _windows(source: TextSource, tokenizer, seq_len: int, max_tokens: int) -> li
 @torch.no_grad()
 def router_decisions(model: PreTrainedModel, paths: list[str], windows: list[Tensor]
                      ) -> dict[str, tuple[Tensor, Tensor, float]]:
-    """(x (tokens, d) in float32, chosen expert (tokens,), largest |weight - 1| of the original routing)
-    for each MoE layer in ``paths``: the distilled router weighs its expert 1, the original may not."""
+    """(x (tokens, d) in float32, chosen experts (tokens, k), largest |weight - 1| of the original routing)
+    for each MoE layer in ``paths``: the distilled router weighs its experts 1, the original may not."""
     inputs: dict[str, list[Tensor]] = {p: [] for p in paths}
     device = next(model.parameters()).device
     with ExitStack() as stack:
@@ -62,38 +71,65 @@ def router_decisions(model: PreTrainedModel, paths: list[str], windows: list[Ten
     out = {}
     for path in paths:
         x = torch.cat(inputs[path])
-        dispatch = model.get_submodule(path).router(x)  # top-1: each token appears once
-        chosen = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-        chosen[dispatch.token] = dispatch.expert
-        out[path] = (x.float().cpu(), chosen.cpu(), float((dispatch.weight.float() - 1).abs().max()))
+        dispatch = model.get_submodule(path).router(x)  # a top-k router: pair `slot` of (tokens, k)
+        chosen = torch.empty(x.shape[0] * dispatch.top_k, dtype=torch.long, device=x.device)
+        chosen[dispatch.slot] = dispatch.expert
+        out[path] = (x.float().cpu(), chosen.view(x.shape[0], -1).cpu(),
+                     float((dispatch.weight.float() - 1).abs().max()))
     return out
 
 
+def set_loss(scores: Tensor, chosen: Tensor) -> Tensor:
+    """Mean over tokens and chosen experts i of -log(e^s_i / (e^s_i + sum of e^s_j over the experts not
+    chosen)): each chosen expert against the unchosen ones only, so the loss is the set's boundary and not
+    an order within it; for k = 1 it is the cross-entropy."""
+    others = scores.scatter(1, chosen, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    return nn.functional.softplus(others - scores.gather(1, chosen)).mean()
+
+
 def fit_linear_router(x: Tensor, chosen: Tensor, num_experts: int, steps: int, seed: int = 0) -> Tensor:
-    """W (experts, d) whose argmax_e x.W_e reproduces ``chosen`` as often as it can: cross-entropy of
-    the scores against the choices, from each expert's mean input direction."""
+    """W (experts, d) whose top-k of x.W reproduces the chosen sets ``chosen`` (tokens, k) as often as it
+    can (``set_loss``), from each expert's mean input direction."""
     scale = x.pow(2).mean().sqrt().clamp_min(1e-12)
     xs = x / scale  # (tokens, d), unit mean square: one learning rate fits every model width
-    init = torch.zeros(num_experts, x.shape[1]).index_add_(0, chosen, xs)
+    init = torch.zeros(num_experts, x.shape[1]).index_add_(0, chosen.reshape(-1),
+                                                           xs.repeat_interleave(chosen.shape[1], dim=0))
     init = init / init.norm(dim=1, keepdim=True).clamp_min(1e-12)
     torch.manual_seed(seed)
     weight = nn.Parameter(init)
     optimizer = torch.optim.Adam([weight], lr=LEARNING_RATE)
     for _ in range(steps):
         optimizer.zero_grad()
-        nn.functional.cross_entropy(xs @ weight.T, chosen).backward()
+        set_loss(xs @ weight.T, chosen).backward()
         optimizer.step()
     return weight.detach() / scale  # scores x @ (W / scale).T = (x / scale) @ W.T
 
 
 def agreement(weight: Tensor, x: Tensor, chosen: Tensor) -> float:
-    """Share of tokens where the linear router picks the original router's expert."""
-    return float(((x @ weight.T).argmax(dim=-1) == chosen).float().mean())
+    """Share of tokens where the linear router picks exactly the original router's set of experts."""
+    picked = (x @ weight.T).topk(chosen.shape[1], dim=-1).indices.sort(dim=-1).values
+    return float((picked == chosen.sort(dim=-1).values).all(dim=-1).float().mean())
+
+
+def renormalised_weight_deviation(weight: Tensor, x: Tensor, k: int) -> float:
+    """Largest |k p_i / sum of the chosen p - 1| over the tokens ``x``: how far qwen2_moe's renormalised
+    weights (times k) of router ``weight`` are from CMoE's unit weights."""
+    p = torch.softmax(x @ weight.T, dim=-1).topk(k, dim=-1).values
+    return float((k * p / p.sum(dim=-1, keepdim=True) - 1).abs().max())
+
+
+def _routing(weight: Tensor, x: Tensor, k: int) -> Routing:
+    """Unit top-1 as it is; unit top-k as renormalised weights of scores scaled into ``SCORE_SPAN``."""
+    if k == 1:
+        return Routing(weight, 1, "unit", approximate=True)
+    span = float((x @ weight.T).abs().max())
+    return Routing(weight * (SCORE_SPAN / span if span > 0 else 1.0), k, "renormalised", approximate=True,
+                   expert_scale=float(k))
 
 
 def distill_routers(model: PreTrainedModel, tokenizer, paths: list[str], steps: int, calib: TextSource,
                     held_out: TextSource, *, seq_len: int, max_tokens: int = MAX_TOKENS, seed: int = 0) -> Distillation:
-    """Fit a linear top-1 router for each layer in ``paths`` on ``calib``; agreement on both texts."""
+    """Fit a linear top-k router for each layer in ``paths`` on ``calib``; agreement on both texts."""
     if steps < 1:
         raise ValueError(f"distill steps={steps} must be >= 1")
     fit = router_decisions(model, paths, _windows(calib, tokenizer, seq_len, max_tokens))
@@ -102,10 +138,13 @@ def distill_routers(model: PreTrainedModel, tokenizer, paths: list[str], steps: 
     for path in paths:
         router = model.get_submodule(path).router
         x, chosen, weight_dev = fit[path]
-        weight = fit_linear_router(x, chosen, router.num_experts, steps, seed)
-        routings[path] = Routing(weight, 1, "unit", approximate=True)
-        layers.append({"path": path, "calib_tokens": x.shape[0], "held_out_tokens": test[path][0].shape[0],
-                       "calib_agreement": agreement(weight, x, chosen),
-                       "held_out_agreement": agreement(weight, *test[path][:2]),
-                       "original_weight_max_dev_from_1": max(weight_dev, test[path][2])})
+        k = chosen.shape[1]
+        routing = _routing(fit_linear_router(x, chosen, router.num_experts, steps, seed), x, k)
+        routings[path] = routing
+        layers.append({"path": path, "top_k": k, "calib_tokens": x.shape[0], "held_out_tokens": test[path][0].shape[0],
+                       "calib_agreement": agreement(routing.weight, x, chosen),
+                       "held_out_agreement": agreement(routing.weight, *test[path][:2]),
+                       "original_weight_max_dev_from_1": max(weight_dev, test[path][2]),
+                       "max_weight_dev_from_1": 0.0 if k == 1 else
+                       renormalised_weight_deviation(routing.weight, test[path][0], k)})
     return Distillation(routings, layers, steps)

@@ -17,7 +17,8 @@ that holds a layer at those widths computes the native layer's float32 sums in t
 * ``qwen2_moe``: the shared expert is always-on exactly: a zero ``shared_expert_gate`` gives
   sigmoid(0) = 1/2 and the doubled down projection undoes it (both powers of two: bit-exact). Dense
   layers are ``mlp_only_layers``. Unit top-1 is ``norm_topk_prob=True`` (p / p = 1); Dense2MoE-style
-  softmax weights are ``norm_topk_prob=False`` with any top-k.
+  softmax weights are ``norm_topk_prob=False`` with any top-k; renormalised top-k weights (distilled
+  routers of unit top-k ones, ``hf_distill``) are ``norm_topk_prob=True``.
 * ``mixtral``: no shared part and no dense layers: the shared part joins every expert and a dense
   layer is its whole MLP in every expert (``fold``); storage grows, per-token compute does not.
 * ``llama``: a conversion that routes nothing (static pruning of MLP channels): every layer's kept
@@ -90,7 +91,7 @@ class TargetFormat(Protocol):
         ...
 
 
-def routing_reasons(parts: list[LayerParts], softmax_ok: bool) -> list[str]:
+def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: bool = False) -> list[str]:
     """Why the routers of ``parts`` do not fit one global router setting of a format."""
     routed = [p for p in parts if p.routed]
     if not routed:
@@ -101,11 +102,15 @@ def routing_reasons(parts: list[LayerParts], softmax_ok: bool) -> list[str]:
     (weighting, top_k), = kinds
     if weighting == "unit" and top_k != 1:
         return [f"{top_k} experts per token each with weight 1: the formats' weights are router scores "
-                "(renormalised or not), exactly 1 only for top-1"]
+                "(renormalised or not), exactly 1 only for top-1; --distill-router fits routers whose "
+                "renormalised weights are 1 within 1e-3 (qwen2_moe)"]
     if weighting == "softmax" and not softmax_ok:
         return ["softmax-probability expert weights (not renormalised) are qwen2_moe's norm_topk_prob=False only"]
-    if weighting == "softmax" and len({len(p.experts) for p in routed}) > 1:
-        return ["with softmax-probability weights every routed layer needs the same number of experts "
+    if weighting == "renormalised" and not renormalised_ok:
+        return ["top-k weights renormalised over the chosen experts, beside an always-on part, are qwen2_moe's "
+                "norm_topk_prob=True only"]
+    if weighting in ("softmax", "renormalised") and len({len(p.experts) for p in routed}) > 1:
+        return [f"with {weighting} softmax weights every routed layer needs the same number of experts "
                 "(a padding expert would change the probabilities)"]
     return []
 
@@ -195,7 +200,7 @@ class Qwen2Moe:
     zero_filled = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
     def explain(self, parts: list[LayerParts], source: Source) -> list[str]:
-        reasons = routing_reasons(parts, softmax_ok=True) + full_rotary_reasons(source, self.name)
+        reasons = routing_reasons(parts, softmax_ok=True, renormalised_ok=True) + full_rotary_reasons(source, self.name)
         cfg = source.config
         if source.head_dim * cfg.num_attention_heads != cfg.hidden_size:
             reasons.append(f"head_dim={source.head_dim} x {cfg.num_attention_heads} heads != hidden_size="
@@ -213,7 +218,7 @@ class Qwen2Moe:
                               shared_expert_intermediate_size=shared or aligned_width(1),  # no zero-size tensors
                               num_experts=_max([len(p.experts) for p in routed]),
                               num_experts_per_tok=routed[0].routing.top_k,
-                              norm_topk_prob=routed[0].routing.weighting == "unit")
+                              norm_topk_prob=routed[0].routing.weighting in ("unit", "renormalised"))
 
     def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}

@@ -22,7 +22,7 @@ from moeify.arch import DecoderAdapter
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import NotLinear, Router
 
-Weighting = Literal["unit", "softmax"]
+Weighting = Literal["unit", "softmax", "renormalised"]
 SUPPORTED_ACT = "silu"  # the only MLP activation vLLM's MoE kernels implement for these formats
 
 
@@ -83,13 +83,18 @@ class Routing:
     """A linear router: scores ``x @ weight.T`` (weight (experts, d)), the ``top_k`` best experts run.
 
     ``weighting``: ``"unit"``, every chosen expert weighs 1 (MoRE, CMoE with u = 0); ``"softmax"``, it
-    weighs its softmax probability over all experts, not renormalised (Dense2MoE's g_i). ``approximate``:
-    fitted to a non-linear router's decisions (``--distill-router``), not the model's own router."""
+    weighs its softmax probability over all experts, not renormalised (Dense2MoE's g_i); ``"renormalised"``,
+    its softmax probability renormalised over the chosen k (qwen2_moe's ``norm_topk_prob``, Mixtral).
+    ``expert_scale``: a constant factor of every routed expert's weight, folded into the experts' down
+    projections (Dense2MoE's E / k; k for distilled unit top-k routers, see ``hf_distill``).
+    ``approximate``: fitted to a non-linear router's decisions (``--distill-router``), not the model's own
+    router."""
 
     weight: Tensor
     top_k: int
     weighting: Weighting
     approximate: bool = False
+    expert_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -110,18 +115,17 @@ class LayerParts:
         return self.routing is not None
 
 
-def linear_routing(router: Router) -> tuple[Routing, float]:
-    """The router's own ``linear_form()`` as a ``Routing``, and the constant factor c of every routed
-    weight (its ``expert_scale``: 1 but for Dense2MoE's E / k), which is folded into the experts' down
-    projections; or ``NotRepresentable`` saying why the router is not linear (``distillable`` when a
-    fitted linear router would make the model exportable, approximately)."""
+def linear_routing(router: Router) -> Routing:
+    """The router's own ``linear_form()`` as a ``Routing`` with its ``expert_scale`` (1 but for Dense2MoE's
+    E / k); or ``NotRepresentable`` saying why the router is not linear (``distillable`` when a fitted
+    linear router would make the model exportable, approximately)."""
     try:
         form = router.linear_form()
     except NotLinear as error:
         hint = ("; pass --distill-router STEPS to fit a linear router to its decisions on calibration text (an "
                 "approximation, reported as such)") if error.distillable else ""
         raise NotRepresentable(f"router {router.kind!r} {error.reason}{hint}", distillable=error.distillable) from None
-    return Routing(form.weight, form.top_k, form.weighting), float(router.expert_scale)
+    return Routing(form.weight, form.top_k, form.weighting, expert_scale=float(router.expert_scale))
 
 
 def _gated(weights: tuple[Tensor | None, Tensor, Tensor], what: str) -> GatedMlp:
@@ -154,9 +158,9 @@ def _moe_parts(module: MoeMLP, routing: Routing | None) -> tuple[GatedMlp | None
     if module.down_bias is not None:
         raise NotRepresentable("the MoE layer has an output bias; standard formats have none")
     if module.router is not None and routing is None:
-        routing, scale = linear_routing(module.router)
-        if scale != 1.0:  # a constant on every routed weight is a constant on every expert's output
-            experts = tuple(replace(e, down=e.down * scale) for e in experts)
+        routing = linear_routing(module.router)
+    if routing is not None and routing.expert_scale != 1.0:  # a constant on every routed weight: on every output
+        experts = tuple(replace(e, down=e.down * routing.expert_scale) for e in experts)
     return shared, experts, routing
 
 

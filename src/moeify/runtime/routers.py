@@ -145,7 +145,7 @@ class RepresentativeRouter(nn.Module):
 
     def linear_form(self) -> LinearForm:
         raise NotLinear("is not linear in x (its scores are the SwiGLU hidden values of representative neurons), "
-                        "and standard formats only compute linear scores x @ W.T", distillable=self.top_k == 1)
+                        "and standard formats only compute linear scores x @ W.T", distillable=True)
 
     def forward(self, x: Tensor) -> Dispatch:
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29

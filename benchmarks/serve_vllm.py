@@ -1,0 +1,152 @@
+"""vLLM serves what moeify makes: exports of SmolLM2-135M by five methods give moeify's own greedy tokens.
+
+Run with the python of the vLLM virtual environment, which ``benchmarks/make_vllm_venv.sh`` makes (vLLM's
+CPU build with moeify installed beside it):
+
+    .venv-vllm/bin/python benchmarks/serve_vllm.py [--methods more,tomoe,dense2moe,static_prune,cmoe]
+        [--work /tmp/moeify-serve] [--out benchmarks/results/serve_vllm.jsonl]
+
+For each method: convert SmolLM2 (the GGUF in ../shared/assets, float32; calibration and training on
+WikiText-2 valid at small budgets: what is checked here is the export, not the conversion's quality),
+export it to the format that represents it (``EXPORTS``: exactly, or with routers distilled to linear
+ones), then decode greedily ``--new-tokens`` tokens for 8 prompts (the first 32 tokens of 8 WikiText-2
+test paragraphs) in vLLM (float32, eager) and with moeify's native model, and compare the tokens
+(``moeify.evaluation.serving``). An exact export must give identical tokens; a distilled one is a
+different model, so beside its token agreement stand its routing agreement and perplexity change on
+held-out text (from its export record). The dense model, served and run by transformers, is the first
+row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints
+the table from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
+
+OUT = Path(__file__).resolve().parent / "results" / "serve_vllm.jsonl"
+PROMPTS, PROMPT_TOKENS = 8, 32
+EVAL_CHARS = 20000  # held-out text for the conversions' and distillations' perplexities
+# method -> (conversion options, export format, distillation steps or None for an exact export)
+EXPORTS: dict[str, tuple[dict[str, Any], str, int | None]] = {
+    "more": ({}, "qwen2_moe", None),
+    "tomoe": ({"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", None),
+    "dense2moe": ({"steps": 5, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
+    "static_prune": ({"attention": "off"}, "llama", None),
+    "cmoe": ({}, "qwen2_moe", 300),  # S2A2E16: top-2 with unit weights, distilled to renormalised weights
+}
+
+
+def moeify_cli(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "moeify", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"moeify {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
+def prompts(tokenizer: Any) -> list[list[int]]:
+    """The first ``PROMPT_TOKENS`` tokens of the first ``PROMPTS`` long paragraphs of WikiText-2 test."""
+    paragraphs = [line.strip() for line in EVAL.read_text().splitlines() if len(line.strip()) > 400]
+    return [tokenizer(p)["input_ids"][:PROMPT_TOKENS] for p in paragraphs[:PROMPTS]]
+
+
+def dense_folder(work: Path) -> Path:
+    """SmolLM2 as a float32 transformers folder (vLLM reads the GGUF's tokenizer differently)."""
+    from moeify.loading import load_model
+
+    folder = work / "dense"
+    if not (folder / "config.json").is_file():
+        model, tokenizer = load_model(str(MODEL), dtype="float32")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def exported(method: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
+    """(native folder, export folder) of ``method``, converted and exported once."""
+    options, fmt, distill = EXPORTS[method]
+    name = "-".join([method, *(f"{key}={value}" for key, value in options.items())])
+    native, export = work / name, work / f"{name}-{fmt}"
+    if not (native / "config.json").is_file():
+        sets = [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+        moeify_cli("convert", str(work / "dense"), "--method", method, "--out", str(native), "--calib", str(CALIB),
+                   "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
+    if not (export / "config.json").is_file():
+        extra = [] if distill is None else ["--distill-router", str(distill), "--calib", str(CALIB),
+                                            "--eval", str(eval_text)]
+        moeify_cli("export", str(native), "--format", fmt, "--out", str(export), "--overwrite", *extra)
+    return native, export
+
+
+def check(name: str, native: Path, served: Path, ids: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    import moeify
+    from moeify.evaluation.serving import compare_tokens, native_tokens, served_tokens
+
+    model, _ = moeify.load_model(str(native), dtype="float32")
+    expected = native_tokens(model, ids, new_tokens)
+    del model
+    began = time.perf_counter()
+    vllm = served_tokens(served, ids, new_tokens)
+    row: dict[str, Any] = {"row": name, "native": str(native), "served": str(served), "dtype": "float32",
+                           "prompts": len(ids), "new_tokens": new_tokens, **compare_tokens(expected, vllm["tokens"]),
+                           "vllm_seconds": round(time.perf_counter() - began, 1)}
+    record_path = served / "moeify_export.json"
+    if record_path.is_file():
+        record = json.loads(record_path.read_text())
+        row.update(format=record["format"], exact=record["exact"], max_abs_logit_diff=record["max_abs_logit_diff"])
+        if "distillation" in record:
+            d = record["distillation"]
+            row["distillation"] = {k: d[k] for k in ("steps", "calib_agreement", "held_out_agreement",
+                                                     "source_ppl", "export_ppl", "ppl_change")}
+    return row
+
+
+def markdown(path: Path) -> str:
+    lines = ["| row | format | exact | identical sequences | token agreement | routing agreement (held out) "
+             "| PPL native -> export |", "|---|---|---|---|---|---|---|"]
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        d = r.get("distillation")
+        routing = "-" if d is None else f"{d['held_out_agreement']:.3f}"
+        ppl = "-" if d is None else f"{d['source_ppl']:.2f} -> {d['export_ppl']:.2f}"
+        lines.append(f"| {r['row']} | {r.get('format', '-')} | {r.get('exact', '-')} | "
+                     f"{r['identical_sequences']}/{r['sequences']} | {r['token_agreement']:.3f} | {routing} | {ppl} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=",".join(EXPORTS))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-serve"))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.out))
+        return
+    from transformers import AutoTokenizer
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    eval_text = args.work / f"wikitext2_raw_test_first{EVAL_CHARS}.txt"
+    eval_text.write_text(EVAL.read_text()[:EVAL_CHARS])
+    dense = dense_folder(args.work)
+    ids = prompts(AutoTokenizer.from_pretrained(dense))
+    rows = [check("dense", dense, dense, ids, args.new_tokens)]
+    for method in args.methods.split(","):
+        native, export = exported(method, args.work, eval_text)
+        rows.append(check(method, native, export, ids, args.new_tokens))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        for row in rows:
+            print(json.dumps(row))
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

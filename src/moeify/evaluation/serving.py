@@ -1,0 +1,101 @@
+"""Greedy tokens from vLLM beside moeify's own, so that a served export is checked against the model it
+came from.
+
+``served_tokens`` runs vLLM (whichever build is installed: its CPU build runs here) in a child process,
+``python -m moeify.evaluation.serving``: vLLM starts engine processes of its own, which want a guarded
+main module, and a finished child gives all its memory back. Prompts go in as token ids (no tokenizer
+involved), decoding is greedy with the end-of-sequence token ignored, in eager mode (no graph capture:
+the kernels vLLM would run anyway). ``native_tokens`` decodes the same way with moeify's native model; ``compare_tokens`` says which sequences agree and where the first one that does not
+parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+KV_CACHE_GIB = "1"  # vLLM CPU's KV cache (VLLM_CPU_KVCACHE_SPACE); the checks use short sequences
+
+
+def served_tokens(folder: str | Path, prompts: list[list[int]], new_tokens: int, dtype: str = "float32",
+                  max_model_len: int = 1024, timeout: float = 1800) -> dict[str, Any]:
+    """{"tokens": the generated ids per prompt, "seconds": generation wall time, "tokens_per_s": prompt
+    and generated tokens per second} from vLLM serving ``folder``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request, answer = Path(tmp) / "request.json", Path(tmp) / "answer.json"
+        request.write_text(json.dumps({"folder": str(folder), "prompts": prompts, "new_tokens": new_tokens,
+                                       "dtype": dtype, "max_model_len": max_model_len}))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)}
+        done = subprocess.run([sys.executable, "-m", "moeify.evaluation.serving", str(request), str(answer)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM failed on {folder}:\n{done.stderr[-4000:]}")
+        return json.loads(answer.read_text())
+
+
+@torch.no_grad()
+def native_tokens(model: nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by ``model``, one prompt at a time (no padding) with the KV
+    cache; the end-of-sequence token is a token like any other, as in vLLM with ``ignore_eos``
+    (transformers' ``min_new_tokens`` would forbid it instead)."""
+    device = next(model.parameters()).device
+    out = []
+    for prompt in prompts:
+        step = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+        tokens = [int(step.logits[0, -1].argmax())]
+        for _ in range(new_tokens - 1):
+            step = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=step.past_key_values,
+                         use_cache=True)
+            tokens.append(int(step.logits[0, -1].argmax()))
+        out.append(tokens)
+    return out
+
+
+def compare_tokens(expected: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
+    """How many sequences are identical, and per sequence the first position where they part (None: never)."""
+    parts = [next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), None if len(e) == len(g) else
+                  min(len(e), len(g))) for e, g in zip(expected, got)]
+    return {"identical_sequences": sum(p is None for p in parts), "sequences": len(parts),
+            "first_difference": parts,
+            "token_agreement": sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g)) /
+            max(1, sum(len(e) for e in expected))}
+
+
+def _serve(request: dict[str, Any]) -> dict[str, Any]:
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=request["folder"], dtype=request["dtype"], enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=request["max_model_len"], seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=request["new_tokens"], ignore_eos=True,
+                            detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    began = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - began
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    total = sum(len(p) for p in request["prompts"]) + sum(len(t) for t in tokens)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": total / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="serve one request file with vLLM (see served_tokens)")
+    parser.add_argument("request", type=Path)
+    parser.add_argument("answer", type=Path)
+    args = parser.parse_args()
+    args.answer.write_text(json.dumps(_serve(json.loads(args.request.read_text()))))
+
+
+if __name__ == "__main__":
+    main()
