@@ -16,6 +16,11 @@ different model, so beside its token agreement stand its routing agreement and p
 held-out text (from its export record). The dense model, served and run by transformers, is the first
 row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints
 the table from it.
+
+``--speed`` measures instead, in one run, what vLLM serves per second in bfloat16: a batch of
+``SPEED_PROMPTS`` prompts of ``SPEED_PROMPT_TOKENS`` tokens (WikiText-2 test) plus ``--new-tokens``
+generated, dense and every export, beside the FLOP-ideal speed-up (``macs_per_token`` of the dense model
+over the export's, padding included); rows go to ``SPEED_OUT``.
 """
 
 from __future__ import annotations
@@ -31,13 +36,15 @@ from typing import Any
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
 
 OUT = Path(__file__).resolve().parent / "results" / "serve_vllm.jsonl"
+SPEED_OUT = Path(__file__).resolve().parent / "results" / "serve_vllm_speed.jsonl"
 PROMPTS, PROMPT_TOKENS = 8, 32
+SPEED_PROMPTS, SPEED_PROMPT_TOKENS = 32, 350
 EVAL_CHARS = 20000  # held-out text for the conversions' and distillations' perplexities
 # method -> (conversion options, export format, distillation steps or None for an exact export)
 EXPORTS: dict[str, tuple[dict[str, Any], str, int | None]] = {
     "more": ({}, "qwen2_moe", None),
     "tomoe": ({"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", None),
-    "dense2moe": ({"steps": 5, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
+    "dense2moe": ({"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
     "static_prune": ({"attention": "off"}, "llama", None),
     "cmoe": ({}, "qwen2_moe", 300),  # S2A2E16: top-2 with unit weights, distilled to renormalised weights
 }
@@ -53,6 +60,30 @@ def prompts(tokenizer: Any) -> list[list[int]]:
     """The first ``PROMPT_TOKENS`` tokens of the first ``PROMPTS`` long paragraphs of WikiText-2 test."""
     paragraphs = [line.strip() for line in EVAL.read_text().splitlines() if len(line.strip()) > 400]
     return [tokenizer(p)["input_ids"][:PROMPT_TOKENS] for p in paragraphs[:PROMPTS]]
+
+
+def speed_prompts(tokenizer: Any) -> list[list[int]]:
+    """``SPEED_PROMPTS`` consecutive windows of ``SPEED_PROMPT_TOKENS`` tokens of WikiText-2 test."""
+    ids = tokenizer(EVAL.read_text()[:200_000])["input_ids"]
+    return [ids[i * SPEED_PROMPT_TOKENS:(i + 1) * SPEED_PROMPT_TOKENS] for i in range(SPEED_PROMPTS)]
+
+
+def speed(name: str, folder: Path, ids: list[list[int]], new_tokens: int, dense_macs: float | None) -> dict[str, Any]:
+    """vLLM's bfloat16 throughput on ``folder`` and the multiply-accumulates per token behind it."""
+    from transformers import AutoModelForCausalLM
+
+    from moeify.evaluation.serving import served_tokens
+    from moeify.evaluation.speed import macs_per_token
+
+    context = SPEED_PROMPT_TOKENS + new_tokens
+    macs = macs_per_token(AutoModelForCausalLM.from_pretrained(folder, dtype="bfloat16"), context)
+    served = served_tokens(folder, ids, new_tokens, dtype="bfloat16", max_model_len=context + 16)
+    generated = sum(len(t) for t in served["tokens"])
+    return {"row": name, "served": str(folder), "dtype": "bfloat16", "prompts": len(ids),
+            "prompt_tokens": SPEED_PROMPT_TOKENS, "new_tokens": new_tokens, "seconds": round(served["seconds"], 2),
+            "tokens_per_s": round(served["tokens_per_s"], 1),
+            "generated_per_s": round(generated / served["seconds"], 1),
+            "macs_per_token": macs, "ideal_speedup": None if dense_macs is None else dense_macs / macs}
 
 
 def dense_folder(work: Path) -> Path:
@@ -125,6 +156,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-serve"))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--speed", action="store_true", help="measure bfloat16 serving throughput instead")
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
     if args.markdown:
@@ -136,17 +168,24 @@ def main() -> None:
     eval_text = args.work / f"wikitext2_raw_test_first{EVAL_CHARS}.txt"
     eval_text.write_text(EVAL.read_text()[:EVAL_CHARS])
     dense = dense_folder(args.work)
-    ids = prompts(AutoTokenizer.from_pretrained(dense))
-    rows = [check("dense", dense, dense, ids, args.new_tokens)]
-    for method in args.methods.split(","):
-        native, export = exported(method, args.work, eval_text)
-        rows.append(check(method, native, export, ids, args.new_tokens))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for row in rows:
-            print(json.dumps(row))
+    tokenizer = AutoTokenizer.from_pretrained(dense)
+    ids = prompts(tokenizer)
+    out = SPEED_OUT if args.speed and args.out == OUT else args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folders = [("dense", lambda: (dense, dense))] + [
+        (method, lambda method=method: exported(method, args.work, eval_text)) for method in args.methods.split(",")]
+    speed_ids, dense_speed = speed_prompts(tokenizer), None
+    for name, made in folders:
+        native, served = made()
+        if args.speed:
+            row = speed(name, served, speed_ids, args.new_tokens, dense_speed and dense_speed["macs_per_token"])
+            dense_speed = dense_speed or row
+            row["speedup"] = row["tokens_per_s"] / dense_speed["tokens_per_s"]
+        else:
+            row = check(name, native, served, ids, args.new_tokens)
+        print(json.dumps(row), flush=True)
+        with out.open("a") as f:  # row by row: a failure later keeps what was measured
             f.write(json.dumps(row) + "\n")
-
 
 if __name__ == "__main__":
     main()

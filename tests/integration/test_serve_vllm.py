@@ -17,7 +17,7 @@ from moeify.loading import load_model
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vllm is not installed here (benchmarks/make_vllm_venv.sh makes a venv with it)")]
+                                 reason="vllm is not installed (benchmarks/make_vllm_venv.sh makes a venv with it)")]
 
 
 @pytest.mark.parametrize("method, options, fmt", [("more", {}, "qwen2_moe"),

@@ -19,7 +19,7 @@ from moeify.runtime.packed import aligned_width
 from moeify.runtime.routers import Dispatch, LinearForm, PrototypeRouter, ThresholdRouter
 from tests.helpers.tiny_models import tiny_model
 
-FORMATS = ("glm4_moe", "qwen2_moe", "mixtral")  # the MoE formats; llama takes what routes nothing
+FORMATS = ("glm4_moe", "qwen2_moe", "mixtral", "granitemoeshared")  # the MoE formats; llama: what routes nothing
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 SHARED, WIDTHS = 24, (22, 18, 14, 10)  # 88 neurons: unequal experts, as MoRE and CMoE make them
 

@@ -5,8 +5,8 @@ came from.
 ``python -m moeify.evaluation.serving``: vLLM starts engine processes of its own, which want a guarded
 main module, and a finished child gives all its memory back. Prompts go in as token ids (no tokenizer
 involved), decoding is greedy with the end-of-sequence token ignored, in eager mode (no graph capture:
-the kernels vLLM would run anyway). ``native_tokens`` decodes the same way with moeify's native model; ``compare_tokens`` says which sequences agree and where the first one that does not
-parts.
+the kernels vLLM would run anyway). ``native_tokens`` decodes the same way with moeify's native model;
+``compare_tokens`` says which sequences agree and where the first one that does not parts.
 """
 
 from __future__ import annotations

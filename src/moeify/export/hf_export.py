@@ -98,8 +98,8 @@ def _source(model: PreTrainedModel) -> tuple[Source, dict[str, torch.Tensor], li
     return Source(model.config, frozenset(tensors)), tensors, reasons
 
 
-def _target_mlp_prefixes(config: PretrainedConfig) -> tuple[str, ...]:
-    return tuple(f"model.layers.{i}.mlp." for i in range(config.num_hidden_layers))
+def _target_mlp_prefixes(fmt: TargetFormat, config: PretrainedConfig) -> tuple[str, ...]:
+    return tuple(f"model.layers.{i}.{name}." for i in range(config.num_hidden_layers) for name in fmt.mlp_modules)
 
 
 def _layout_reasons(fmt: TargetFormat, source: Source, config: PretrainedConfig,
@@ -109,7 +109,7 @@ def _layout_reasons(fmt: TargetFormat, source: Source, config: PretrainedConfig,
     (an o_proj bias, a fused qkv projection, LayerNorm biases)."""
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(config).state_dict()
-    target = {k: v for k, v in target.items() if not k.startswith(_target_mlp_prefixes(config))}
+    target = {k: v for k, v in target.items() if not k.startswith(_target_mlp_prefixes(fmt, config))}
     extra = sorted(set(source.keys) - set(target))
     lacking = sorted(k for k in set(target) - set(source.keys) if not k.endswith(fmt.zero_filled))
     reasons = []
@@ -196,7 +196,7 @@ class HfExporter:
         approximate = any(p.routing is not None and p.routing.approximate for p in parts)
         record = {"format": self.name, "exact": not approximate,
                   "rearranged_layers": self.format.rearranged(parts, config), **_compare(model, target, approximate),
-                  **_compare_mlps(model, target, parts, approximate),
+                  **_compare_mlps(model, target, parts, approximate, self.format),
                   "layers": [_layer_record(p) for p in parts],
                   "params": {"source": _count(model), "export": _count(target)}}
         return HfExport(target, self.name, record)
@@ -232,7 +232,7 @@ def _compare(source: PreTrainedModel, target: PreTrainedModel, approximate: bool
 
 
 def _compare_mlps(source: PreTrainedModel, target: PreTrainedModel, parts: list[LayerParts],
-                  approximate: bool) -> dict[str, Any]:
+                  approximate: bool, fmt: TargetFormat) -> dict[str, Any]:
     """Largest |difference| between each source MLP and the export's MLP in its place, both copied to
     float64 and run on the same random hidden states (scaled by the MLP's input norm weight, as after the
     norm): the mapping itself, free of the float32 kernels' rounding that the logit difference also holds
@@ -245,15 +245,16 @@ def _compare_mlps(source: PreTrainedModel, target: PreTrainedModel, parts: list[
     gap, scale = 0.0, 0.0
     for part in parts:
         mine = copy.deepcopy(adapter.mlp_module(part.index)).double()
-        theirs = copy.deepcopy(target.get_submodule(f"model.layers.{part.index}.mlp")).double()
-        for module in theirs.modules():  # grouped_mm has no float64 kernel; eager computes the same function
-            if getattr(module, "config", None) is not None:
+        layer = target.get_submodule(f"model.layers.{part.index}")
+        theirs = [copy.deepcopy(m).double() for name in fmt.mlp_modules if (m := getattr(layer, name)) is not None]
+        for module in (m for block in theirs for m in block.modules()):
+            if getattr(module, "config", None) is not None:  # grouped_mm has no float64 kernel; eager: the same
                 module.config._experts_implementation = "eager"
         gamma, _ = adapter.mlp_norm_affine(part.index)
         x = torch.randn(1, MLP_PROBE_TOKENS, part.shared.up.shape[1], generator=generator, dtype=torch.float64)
         x = (x * gamma.double().cpu()).to(device)
-        expected, got = mine(x), theirs(x)
-        got = got[0] if isinstance(got, tuple) else got
+        expected = mine(x)
+        got = sum(out[0] if isinstance(out, tuple) else out for out in (block(x) for block in theirs))
         gap, scale = max(gap, float((got - expected).abs().max())), max(scale, float(expected.abs().max()))
     if not approximate and gap > MAPPING_TOLERANCE * max(1.0, scale):
         raise RuntimeError(f"an MLP of the {target.config.model_type} export differs from the source's by {gap:.3g} "

@@ -21,6 +21,7 @@ that holds a layer at those widths computes the native layer's float32 sums in t
   routers of unit top-k ones, ``hf_distill``) are ``norm_topk_prob=True``.
 * ``mixtral``: no shared part and no dense layers: the shared part joins every expert and a dense
   layer is its whole MLP in every expert (``fold``); storage grows, per-token compute does not.
+* ``granitemoeshared``: the shared MLP always on without a gate (llama.cpp-safe); see ``GraniteMoeShared``.
 * ``llama``: a conversion that routes nothing (static pruning of MLP channels): every layer's kept
   neurons, zero-padded to the widest layer's width, in a dense LLaMA checkpoint that every engine runs.
 """
@@ -33,7 +34,14 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import Glm4MoeConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
+from transformers import (
+    Glm4MoeConfig,
+    GraniteMoeSharedConfig,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+)
 
 from moeify.export.hf_parts import GatedMlp, LayerParts, fold
 from moeify.runtime.packed import aligned_width, packed_widths
@@ -77,6 +85,7 @@ class TargetFormat(Protocol):
     name: str
     ties_embeddings: bool        # whether engines honour tie_word_embeddings for this architecture
     zero_filled: tuple[str, ...]  # target tensors the source may lack, written as zeros (exact)
+    mlp_modules: tuple[str, ...]  # the decoder layer's modules that hold its MLP (their outputs add up)
 
     def explain(self, parts: list[LayerParts], source: Source) -> list[str]: ...
 
@@ -126,13 +135,14 @@ def mlp_tensors(prefix: str, mlp: GatedMlp) -> dict[str, Tensor]:
             f"{prefix}down_proj.weight": mlp.down}
 
 
-def routed_tensors(prefix: str, experts: list[GatedMlp], width: int, router: Tensor) -> dict[str, Tensor]:
+def routed_tensors(prefix: str, experts: list[GatedMlp], width: int, router: Tensor,
+                   router_name: str = "gate") -> dict[str, Tensor]:
     """Experts stacked as transformers 5 holds them: gate_up_proj (E, 2 width, d) with gate rows first
     (``.chunk(2)`` gives gate, up), down_proj (E, d, width); the router weight (E, d)."""
     padded = [e.padded(width) for e in experts]
     return {f"{prefix}experts.gate_up_proj": torch.stack([torch.cat([e.gate, e.up]) for e in padded]),
             f"{prefix}experts.down_proj": torch.stack([e.down for e in padded]),
-            f"{prefix}gate.weight": router}
+            f"{prefix}{router_name}.weight": router}
 
 
 def _max(values: list[int], default: int = 0) -> int:
@@ -141,6 +151,7 @@ def _max(values: list[int], default: int = 0) -> int:
 
 class Glm4Moe:
     name = "glm4_moe"
+    mlp_modules = ("mlp",)
     ties_embeddings = False  # vLLM's Glm4MoeForCausalLM always loads its own lm_head
     zero_filled: tuple[str, ...] = ()
 
@@ -195,6 +206,7 @@ class Glm4Moe:
 
 class Qwen2Moe:
     name = "qwen2_moe"
+    mlp_modules = ("mlp",)
     ties_embeddings = True
     # vLLM builds qwen2_moe's q/k/v projections with biases: a source without them gets zero biases.
     zero_filled = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
@@ -240,6 +252,7 @@ class Qwen2Moe:
 
 class Mixtral:
     name = "mixtral"
+    mlp_modules = ("mlp",)
     ties_embeddings = True
     zero_filled: tuple[str, ...] = ()
 
@@ -263,8 +276,54 @@ class Mixtral:
         return [p.index for p in parts if p.shared.width]
 
 
+class GraniteMoeShared:
+    """Granite's MoE with an always-on shared MLP that has no gate: the format llama.cpp runs for a model
+    with a shared part (its qwen2_moe computes the shared-expert gate through silu(x) / x, NaN at the zero
+    gate). Every layer is routed: a dense layer (or a shared part wider than the others') keeps S neurons
+    in the shared MLP and the rest in every routed expert behind a zero router (``fold``). Its router
+    weighs the top-k by a softmax over their scores: exactly 1 for top-1, and the renormalised weights of
+    a distilled top-k router. The multipliers are Granite's neutral ones (attention 1 / sqrt(head_dim))."""
+
+    name = "granitemoeshared"
+    mlp_modules = ("block_sparse_moe", "shared_mlp")
+    ties_embeddings = True
+    zero_filled = ("self_attn.o_proj.bias",)  # attention_bias with a source's q/k/v biases (Qwen2)
+
+    def explain(self, parts: list[LayerParts], source: Source) -> list[str]:
+        return routing_reasons(parts, softmax_ok=False, renormalised_ok=True) + full_rotary_reasons(source, self.name)
+
+    def config(self, parts: list[LayerParts], source: Source) -> PretrainedConfig:
+        routed = [p for p in parts if p.routed]
+        _, shared = packed_widths([e.width for p in routed for e in p.experts], [p.shared.width for p in routed])
+        width = aligned_width(max(max(0, p.shared.width - shared) + _max([e.width for e in p.experts])
+                                  for p in parts))
+        return GraniteMoeSharedConfig(**source.base_fields(), intermediate_size=width,
+                                      shared_intermediate_size=shared,
+                                      num_local_experts=_max([len(p.experts) for p in routed]),
+                                      num_experts_per_tok=routed[0].routing.top_k,
+                                      attention_multiplier=source.head_dim ** -0.5, embedding_multiplier=1.0,
+                                      residual_multiplier=1.0, logits_scaling=1.0,
+                                      attention_bias=source.has("self_attn.q_proj.bias"))
+
+    def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for part in parts:
+            prefix = f"model.layers.{part.index}."
+            shared, experts, router = fold(part, config.shared_intermediate_size, config.num_local_experts)
+            if config.shared_intermediate_size:
+                out[prefix + "shared_mlp.input_linear.weight"] = torch.cat([shared.gate, shared.up])
+                out[prefix + "shared_mlp.output_linear.weight"] = shared.down
+            out.update(routed_tensors(prefix + "block_sparse_moe.", experts, config.intermediate_size, router,
+                                      router_name="router"))
+        return out
+
+    def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
+        return [p.index for p in parts if p.shared.width > config.shared_intermediate_size]
+
+
 class Llama:
     name = "llama"
+    mlp_modules = ("mlp",)
     ties_embeddings = True
     # a source with q/k/v biases (Qwen2) gets LLaMA's attention_bias, whose o_proj bias it lacks: zero
     zero_filled = ("self_attn.o_proj.bias",)
@@ -287,4 +346,4 @@ class Llama:
         return []
 
 
-FORMATS: dict[str, TargetFormat] = {f.name: f for f in (Glm4Moe(), Qwen2Moe(), Mixtral(), Llama())}
+FORMATS: dict[str, TargetFormat] = {f.name: f for f in (Glm4Moe(), Qwen2Moe(), Mixtral(), GraniteMoeShared(), Llama())}
