@@ -3,7 +3,7 @@
 Run with the python of the vLLM virtual environment, which ``benchmarks/make_vllm_venv.sh`` makes (vLLM's
 CPU build with moeify installed beside it):
 
-    .venv-vllm/bin/python benchmarks/serve_vllm.py [--methods more,tomoe,dense2moe,static_prune,cmoe]
+    .venv-vllm/bin/python benchmarks/serve_vllm.py [--rows more,tomoe,dense2moe,static_prune,cmoe,...] [--speed]
         [--work /tmp/moeify-serve] [--out benchmarks/results/serve_vllm.jsonl]
 
 For each method: convert SmolLM2 (the GGUF in ../shared/assets, float32; calibration and training on
@@ -40,13 +40,15 @@ SPEED_OUT = Path(__file__).resolve().parent / "results" / "serve_vllm_speed.json
 PROMPTS, PROMPT_TOKENS = 8, 32
 SPEED_PROMPTS, SPEED_PROMPT_TOKENS = 32, 350
 EVAL_CHARS = 20000  # held-out text for the conversions' and distillations' perplexities
-# method -> (conversion options, export format, distillation steps or None for an exact export)
-EXPORTS: dict[str, tuple[dict[str, Any], str, int | None]] = {
-    "more": ({}, "qwen2_moe", None),
-    "tomoe": ({"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", None),
-    "dense2moe": ({"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
-    "static_prune": ({"attention": "off"}, "llama", None),
-    "cmoe": ({}, "qwen2_moe", 300),  # S2A2E16: top-2 with unit weights, distilled to renormalised weights
+# row -> (method, conversion options, export format, distillation steps or None for an exact export)
+EXPORTS: dict[str, tuple[str, dict[str, Any], str, int | None]] = {
+    "more": ("more", {}, "qwen2_moe", None),
+    "more-granitemoeshared": ("more", {}, "granitemoeshared", None),  # the llama.cpp-safe format
+    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", None),
+    "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
+    "static_prune": ("static_prune", {"attention": "off"}, "llama", None),
+    # S2A2E16: top-2 with unit weights, distilled to renormalised weights
+    "cmoe": ("cmoe", {}, "qwen2_moe", 300),
 }
 
 
@@ -98,9 +100,9 @@ def dense_folder(work: Path) -> Path:
     return folder
 
 
-def exported(method: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
-    """(native folder, export folder) of ``method``, converted and exported once."""
-    options, fmt, distill = EXPORTS[method]
+def exported(row: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
+    """(native folder, export folder) of ``row``, converted and exported once."""
+    method, options, fmt, distill = EXPORTS[row]
     name = "-".join([method, *(f"{key}={value}" for key, value in options.items())])
     native, export = work / name, work / f"{name}-{fmt}"
     if not (native / "config.json").is_file():
@@ -138,10 +140,16 @@ def check(name: str, native: Path, served: Path, ids: list[list[int]], new_token
 
 
 def markdown(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if rows and "tokens_per_s" in rows[0]:
+        lines = ["| row | tokens/s (prompt + generated) | x dense | FLOP-ideal x dense |", "|---|---|---|---|"]
+        for r in rows:
+            ideal = "-" if r["ideal_speedup"] is None else f"{r['ideal_speedup']:.2f}"
+            lines.append(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['speedup']:.2f} | {ideal} |")
+        return "\n".join(lines)
     lines = ["| row | format | exact | identical sequences | token agreement | routing agreement (held out) "
              "| PPL native -> export |", "|---|---|---|---|---|---|---|"]
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in rows:
         d = r.get("distillation")
         routing = "-" if d is None else f"{d['held_out_agreement']:.3f}"
         ppl = "-" if d is None else f"{d['source_ppl']:.2f} -> {d['export_ppl']:.2f}"
@@ -152,7 +160,7 @@ def markdown(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default=",".join(EXPORTS))
+    parser.add_argument("--rows", default=",".join(EXPORTS), help="rows of EXPORTS, comma-separated")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-serve"))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=OUT)
@@ -160,7 +168,7 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown(args.out))
+        print(markdown(SPEED_OUT if args.speed and args.out == OUT else args.out))
         return
     from transformers import AutoTokenizer
 
@@ -173,7 +181,7 @@ def main() -> None:
     out = SPEED_OUT if args.speed and args.out == OUT else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     folders = [("dense", lambda: (dense, dense))] + [
-        (method, lambda method=method: exported(method, args.work, eval_text)) for method in args.methods.split(",")]
+        (row, lambda row=row: exported(row, args.work, eval_text)) for row in args.rows.split(",")]
     speed_ids, dense_speed = speed_prompts(tokenizer), None
     for name, made in folders:
         native, served = made()

@@ -112,12 +112,12 @@ def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: 
     if weighting == "unit" and top_k != 1:
         return [f"{top_k} experts per token each with weight 1: the formats' weights are router scores "
                 "(renormalised or not), exactly 1 only for top-1; --distill-router fits routers whose "
-                "renormalised weights are 1 within 1e-3 (qwen2_moe)"]
+                "renormalised weights are 1 within 1e-3 (qwen2_moe, granitemoeshared)"]
     if weighting == "softmax" and not softmax_ok:
         return ["softmax-probability expert weights (not renormalised) are qwen2_moe's norm_topk_prob=False only"]
     if weighting == "renormalised" and not renormalised_ok:
-        return ["top-k weights renormalised over the chosen experts, beside an always-on part, are qwen2_moe's "
-                "norm_topk_prob=True only"]
+        return ["top-k weights renormalised over the chosen experts, beside an always-on part: qwen2_moe's "
+                "norm_topk_prob=True and granitemoeshared only"]
     if weighting in ("softmax", "renormalised") and len({len(p.experts) for p in routed}) > 1:
         return [f"with {weighting} softmax weights every routed layer needs the same number of experts "
                 "(a padding expert would change the probabilities)"]
