@@ -13,7 +13,8 @@ ones), then decode greedily ``--new-tokens`` tokens for 8 prompts (the first 32 
 test paragraphs) in vLLM (float32, eager) and with moeify's native model, and compare the tokens
 (``moeify.evaluation.serving``). An exact export must give identical tokens; a distilled one is a
 different model, so beside its token agreement stand its routing agreement and perplexity change on
-held-out text (from its export record). The dense model, served and run by transformers, is the first
+held-out text (from its export record), and the served tokens are also compared with the export's own
+in transformers. The dense model, served and run by transformers, is the first
 row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints
 the table from it.
 
@@ -132,7 +133,9 @@ def check(name: str, native: Path, served: Path, ids: list[list[int]], new_token
     if record_path.is_file():
         record = json.loads(record_path.read_text())
         row.update(format=record["format"], exact=record["exact"], max_abs_logit_diff=record["max_abs_logit_diff"])
-        if "distillation" in record:
+        if "distillation" in record:  # a different model: is it served as transformers computes it?
+            export_model, _ = moeify.load_model(str(served), dtype="float32")
+            row["served_vs_export"] = compare_tokens(native_tokens(export_model, ids, new_tokens), vllm["tokens"])
             d = record["distillation"]
             row["distillation"] = {k: d[k] for k in ("steps", "calib_agreement", "held_out_agreement",
                                                      "source_ppl", "export_ppl", "ppl_change")}
@@ -140,21 +143,28 @@ def check(name: str, native: Path, served: Path, ids: list[list[int]], new_token
 
 
 def markdown(path: Path) -> str:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    """The table of ``path``'s rows, the latest measurement of each row name, in first-seen order."""
+    latest: dict[str, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        latest[row["row"]] = row
+    rows = list(latest.values())
     if rows and "tokens_per_s" in rows[0]:
         lines = ["| row | tokens/s (prompt + generated) | x dense | FLOP-ideal x dense |", "|---|---|---|---|"]
         for r in rows:
             ideal = "-" if r["ideal_speedup"] is None else f"{r['ideal_speedup']:.2f}"
             lines.append(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['speedup']:.2f} | {ideal} |")
         return "\n".join(lines)
-    lines = ["| row | format | exact | identical sequences | token agreement | routing agreement (held out) "
-             "| PPL native -> export |", "|---|---|---|---|---|---|---|"]
+    lines = ["| row | format | exact | vLLM = native: identical sequences (token agreement) | vLLM = export "
+             "in transformers | routing agreement (held out) | PPL native -> export |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        d = r.get("distillation")
+        d, own = r.get("distillation"), r.get("served_vs_export")
         routing = "-" if d is None else f"{d['held_out_agreement']:.3f}"
         ppl = "-" if d is None else f"{d['source_ppl']:.2f} -> {d['export_ppl']:.2f}"
+        itself = "-" if own is None else f"{own['identical_sequences']}/{own['sequences']}"
         lines.append(f"| {r['row']} | {r.get('format', '-')} | {r.get('exact', '-')} | "
-                     f"{r['identical_sequences']}/{r['sequences']} | {r['token_agreement']:.3f} | {routing} | {ppl} |")
+                     f"{r['identical_sequences']}/{r['sequences']} ({r['token_agreement']:.3f}) | {itself} | "
+                     f"{routing} | {ppl} |")
     return "\n".join(lines)
 
 
