@@ -119,16 +119,16 @@ def exported(row: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
 
 def check(name: str, native: Path, served: Path, ids: list[list[int]], new_tokens: int) -> dict[str, Any]:
     import moeify
-    from moeify.evaluation.serving import compare_tokens, native_tokens, served_tokens
+    from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens, served_tokens
 
     model, _ = moeify.load_model(str(native), dtype="float32")
     expected = native_tokens(model, ids, new_tokens)
-    del model
     began = time.perf_counter()
     vllm = served_tokens(served, ids, new_tokens)
     row: dict[str, Any] = {"row": name, "native": str(native), "served": str(served), "dtype": "float32",
                            "prompts": len(ids), "new_tokens": new_tokens, **compare_tokens(expected, vllm["tokens"]),
                            "vllm_seconds": round(time.perf_counter() - began, 1)}
+    row["native_margin_at_difference"] = margins_at(model, ids, expected, row["first_difference"])
     record_path = served / "moeify_export.json"
     if record_path.is_file():
         record = json.loads(record_path.read_text())

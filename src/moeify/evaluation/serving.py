@@ -6,7 +6,8 @@ came from.
 main module, and a finished child gives all its memory back. Prompts go in as token ids (no tokenizer
 involved), decoding is greedy with the end-of-sequence token ignored, in eager mode (no graph capture:
 the kernels vLLM would run anyway). ``native_tokens`` decodes the same way with moeify's native model;
-``compare_tokens`` says which sequences agree and where the first one that does not parts.
+``compare_tokens`` says which sequences agree and where the first one that does not parts, ``margins_at``
+how close the native model's top two logits were there (a tie another engine's rounding may break).
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ def compare_tokens(expected: list[list[int]], got: list[list[int]]) -> dict[str,
             "first_difference": parts,
             "token_agreement": sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g)) /
             max(1, sum(len(e) for e in expected))}
+
+
+@torch.no_grad()
+def margins_at(model: nn.Module, prompts: list[list[int]], expected: list[list[int]],
+               positions: list[int | None]) -> list[float | None]:
+    """The native model's top-1 minus top-2 logit where each sequence first parts (None where it does
+    not): a near-zero margin is a tie another engine's float rounding may break the other way."""
+    device = next(model.parameters()).device
+    out: list[float | None] = []
+    for prompt, tokens, at in zip(prompts, expected, positions):
+        if at is None:
+            out.append(None)
+            continue
+        logits = model(input_ids=torch.tensor([prompt + tokens[:at]], device=device)).logits[0, -1].float()
+        top = logits.topk(2).values
+        out.append(float(top[0] - top[1]))
+    return out
 
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
