@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from moeify.arch import DecoderAdapter
 from moeify.export import hf_formats, hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
+from moeify.moe.accounting import activated_parameters
+from moeify.moe.standard_moe import is_standard_moe
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition
 from moeify.runtime.packed import aligned_width
@@ -208,3 +210,13 @@ def test_saved_folder_has_transformers_layout_and_legacy_rope_keys(tmp_path):
     with torch.no_grad():
         assert float((loaded(IDS).logits - source(IDS).logits).abs().max()) < 1e-5
     assert json.loads((out / "moeify_export.json").read_text())["exact"] is True
+
+
+def test_exports_are_counted_as_standard_moe_against_their_dense_model():
+    source = with_moe(tiny_model("llama"), {1: 4})
+    export = EXPORTERS["qwen2_moe"].build(source).model
+    assert is_standard_moe(export) and not is_standard_moe(source) and not is_standard_moe(tiny_model("llama"))
+    dense = activated_parameters(source, measured=False)
+    counted = activated_parameters(export)
+    assert counted.total_params == dense.total_params  # APR over the dense model the export came from
+    assert dense.apr <= counted.apr < 1  # the export's zero padding is computed, hence counted

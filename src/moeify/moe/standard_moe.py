@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from moeify.runtime.moe import MoeMLP
+
 DENSE_REFERENCE_KEY = "moeify_dense_reference"
 MLP_NAMES = ("mlp", "block_sparse_moe")  # the MoE block's name in a decoder layer
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -40,12 +42,15 @@ def _routed(layer: nn.Module) -> nn.Module | None:
 
 
 def is_standard_moe(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers MoE architecture (routed experts in transformers' own blocks)."""
+    """Whether ``model`` is a transformers MoE architecture (routed experts in transformers' own blocks,
+    not moeify's ``MoeMLP``)."""
+    if not getattr(model.config, "num_experts_per_tok", None) or any(isinstance(m, MoeMLP) for m in model.modules()):
+        return False
     try:
         layers = decoder_layers(model)
     except (AttributeError, NotImplementedError, TypeError):
         return False
-    return bool(getattr(model.config, "num_experts_per_tok", None)) and any(_routed(layer) for layer in layers)
+    return any(_routed(layer) for layer in layers)
 
 
 def _num_experts(block: nn.Module) -> int:
