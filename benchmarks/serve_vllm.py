@@ -47,7 +47,8 @@ EXPORTS: dict[str, tuple[str, dict[str, Any], str, int | None]] = {
     "more-granitemoeshared": ("more", {}, "granitemoeshared", None),  # the llama.cpp-safe format
     "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", None),
     "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
-    "static_prune": ("static_prune", {"attention": "off"}, "llama", None),
+    "static_prune": ("static_prune", {}, "llama", None),  # pruned head dimensions zero-padded back
+    "static_prune-mlp": ("static_prune", {"attention": "off"}, "llama", None),
     # S2A2E16: top-2 with unit weights, distilled to renormalised weights
     "cmoe": ("cmoe", {}, "qwen2_moe", 300),
 }

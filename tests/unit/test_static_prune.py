@@ -97,3 +97,20 @@ def test_lora_finetune_gives_the_baseline_the_same_recovery_budget(make_ctx):
                                                         finetune_steps=2, finetune_batch_size=2))
     assert details["finetune"]["steps"] == 2 and details["finetune"]["trainable_params"] > 0
     assert not any("lora" in name for name, _ in model.named_parameters())  # merged into plain weights
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pruned_head_dims_export_exactly_as_zeros_in_a_dense_llama(family, make_ctx):
+    """The default conversion (head dimensions and MLP channels pruned) has an exact standard export:
+    zero query/key/value rows and output columns at the pruned dimensions add nothing."""
+    from moeify.export.hf_export import EXPORTERS
+
+    model = tiny_model(family, **STORIES_VOCAB)
+    _prune(make_ctx, model, 0.5)
+    export = EXPORTERS["llama"].build(model)
+    assert export.record["exact"] and export.record["max_abs_mlp_diff_float64"] == 0.0
+    attn = export.model.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (4 * HD, 64) and attn.v_proj.weight.shape == (2 * HD, 64)
+    with torch.no_grad():
+        assert torch.allclose(export.model(IDS).logits, model(IDS).logits, atol=1e-5, rtol=0)
+        assert float((attn.q_proj.weight == 0).all(dim=1).float().mean()) == pytest.approx(0.5)  # pruned rows

@@ -140,7 +140,7 @@ def test_top1_mlp_experts_export_exactly_and_pruned_attention_is_explained(make_
             assert torch.allclose(export.model(IDS).logits, ctx.model(IDS).logits, atol=1e-5, rtol=0)
     _, ctx, _ = converted("llama", make_ctx, attention="on", active_ratio=0.8)
     support = EXPORTERS["mixtral"].supports(ctx.model, explain=True)
-    assert not support and "pruned head dimension" in str(support)
+    assert not support and "value/output head dimensions chosen per token" in str(support)
 
 
 def test_mask_noise_is_eq_15s_gumbel_sample_and_starts_from_the_whole_model():

@@ -24,7 +24,15 @@ from transformers.initialization import no_init_weights
 
 from moeify.arch import DecoderAdapter, UnsupportedFamilyError
 from moeify.export.hf_formats import FORMATS, Source, TargetFormat
-from moeify.export.hf_parts import LayerParts, NotRepresentable, Routing, grouped_reasons, layer_parts, linear_routing
+from moeify.export.hf_parts import (
+    LayerParts,
+    NotRepresentable,
+    Routing,
+    grouped_reasons,
+    layer_parts,
+    linear_routing,
+    padded_attention,
+)
 from moeify.files import atomic_dir
 from moeify.moe.accounting import dense_reference
 from moeify.moe.standard_moe import DENSE_REFERENCE_KEY
@@ -85,10 +93,14 @@ def _source(model: PreTrainedModel) -> tuple[Source, dict[str, torch.Tensor], li
     mlp_prefixes = tuple(adapter.mlp_path(i) + "." for i in range(adapter.num_layers))
     tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(mlp_prefixes)}
     reasons = []
-    if any(isinstance(m, PrunedAttention) for m in model.modules()):
-        reasons.append("attention heads have a pruned head dimension (ToMoE, static_prune: query/key narrower than "
-                       "value/output, value/output dimensions chosen per token); the formats keep one head_dim for "
-                       "q, k and v: convert with attention=off to export")
+    for name, attn in ((n, m) for n, m in model.named_modules() if isinstance(m, PrunedAttention)):
+        for buffer in ("qk_index", "vo_index"):
+            tensors.pop(f"{name}.{buffer}", None)
+        try:
+            tensors.update(padded_attention(f"{name}.", attn))
+        except NotRepresentable as error:
+            reasons.append(str(error))
+            break
     reasons += list(adapter.family.unexportable)
     if adapter.uses_parallel_residual():
         reasons.append("attention and MLP read the same input (parallel residual); the formats chain them")

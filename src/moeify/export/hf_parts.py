@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
+from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import NotLinear, Router
 
@@ -226,3 +227,34 @@ def fold(part: LayerParts, shared_width: int, num_experts: int) -> tuple[GatedMl
         experts += [experts[0]] * missing
         weight = torch.cat([weight, weight[:1].expand(missing, -1)])
     return shared.padded(shared_width), experts, weight
+
+
+def _scatter_rows(narrow: Tensor, groups: int, index: Tensor, head_dim: int) -> Tensor:
+    """(groups * head_dim, ...) zeros with ``narrow``'s rows (groups * len(index), ...) at each group's
+    kept dimensions ``index``."""
+    full = narrow.new_zeros(groups, head_dim, *narrow.shape[1:])
+    full[:, index] = narrow.reshape(groups, len(index), *narrow.shape[1:])
+    return full.reshape(groups * head_dim, *narrow.shape[1:])
+
+
+def padded_attention(prefix: str, attn: PrunedAttention) -> dict[str, Tensor]:
+    """A statically pruned attention's projections at the full head dimension, the pruned dimensions zero:
+    zero query/key dimensions add nothing to the scores (RoPE rotates a kept pair into itself; the scaling
+    is the dense 1/sqrt(head_dim) already), zero value dimensions add nothing to the output; the same
+    function, exactly, in the layout every format reads. Per-token value/output dimensions (ToMoE's
+    router) have no such layout: ``NotRepresentable``."""
+    if attn.router is not None:
+        raise NotRepresentable("attention keeps value/output head dimensions chosen per token (ToMoE); the "
+                               "formats keep them all: convert with attention=off to export")
+    hd, qk, vo = attn.head_dim, attn.qk_index, attn.vo_index
+    out = {}
+    for name, heads, index in (("q_proj", attn.num_heads, qk), ("k_proj", attn.num_kv_heads, qk),
+                               ("v_proj", attn.num_kv_heads, vo)):
+        linear = getattr(attn, name)
+        out[f"{prefix}{name}.weight"] = _scatter_rows(linear.weight.detach(), heads, index, hd)
+        if linear.bias is not None:
+            out[f"{prefix}{name}.bias"] = _scatter_rows(linear.bias.detach(), heads, index, hd)
+    out[f"{prefix}o_proj.weight"] = _scatter_rows(attn.o_proj.weight.detach().T, attn.num_heads, vo, hd).T
+    if attn.o_proj.bias is not None:
+        out[f"{prefix}o_proj.bias"] = attn.o_proj.bias.detach()
+    return out
