@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +62,20 @@ def native_tokens(model: nn.Module, prompts: list[list[int]], new_tokens: int) -
     return out
 
 
+def first_difference(expected: list[int], got: list[int]) -> int | None:
+    """The first position where ``got`` parts from ``expected`` (a shorter one parts where it ends), or None."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
 def compare_tokens(expected: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
-    """How many sequences are identical, and per sequence the first position where they part (None: never)."""
-    parts = [next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), None if len(e) == len(g) else
-                  min(len(e), len(g))) for e, g in zip(expected, got)]
+    """How many sequences are identical, where each first parts (None: never), and the share of equal tokens."""
+    parts = [first_difference(e, g) for e, g in zip(expected, got)]
+    equal = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g))
     return {"identical_sequences": sum(p is None for p in parts), "sequences": len(parts),
-            "first_difference": parts,
-            "token_agreement": sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g)) /
-            max(1, sum(len(e) for e in expected))}
+            "first_difference": parts, "token_agreement": equal / max(1, sum(len(e) for e in expected))}
 
 
 @torch.no_grad()
@@ -89,8 +96,6 @@ def margins_at(model: nn.Module, prompts: list[list[int]], expected: list[list[i
 
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
-    import time
-
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=request["folder"], dtype=request["dtype"], enforce_eager=True, skip_tokenizer_init=True,

@@ -1,0 +1,24 @@
+"""The token comparison behind the serving checks (vLLM itself: tests/integration/test_serve_vllm.py)."""
+
+import torch
+
+from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens
+from tests.helpers.tiny_models import tiny_model
+
+
+def test_compare_tokens_says_where_sequences_part():
+    result = compare_tokens([[1, 2, 3], [1, 2, 3], [1, 2]], [[1, 2, 3], [1, 5, 3], [1, 2, 3]])
+    assert result["identical_sequences"] == 1 and result["first_difference"] == [None, 1, 2]
+    assert result["token_agreement"] == 7 / 8
+
+
+def test_native_greedy_decoding_with_the_cache_is_the_argmax_of_the_full_forward():
+    model = tiny_model("llama").eval()
+    prompts = [[5, 9, 11], [7, 3]]
+    tokens = native_tokens(model, prompts, 6)
+    with torch.no_grad():
+        for prompt, continuation in zip(prompts, tokens):
+            logits = model(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1:-1]
+            assert logits.argmax(dim=-1).tolist() == continuation
+    margins = margins_at(model, prompts, tokens, [None, 2])
+    assert margins[0] is None and margins[1] >= 0
