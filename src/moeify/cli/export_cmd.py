@@ -63,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     rows = [("format", record["format"]),
             ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (distilled routers)"),
             ("max |MLP difference|, float64", f"{record['max_abs_mlp_diff_float64']:.3g} (the mapping itself)"),
+            *([("max |attention difference|, float64",
+                f"{record['max_abs_attention_diff_float64']:.3g} (pruned head dims zero-padded in "
+                f"{len(record['padded_attention_layers'])} layers: other float32 sums)")]
+              if record["padded_attention_layers"] else []),
             ("max |logit difference|, float32", f"{record['max_abs_logit_diff']:.3g} on {record['probe']}"),
             ("float32 MLP sums", _float32_sums(record["rearranged_layers"])),
             ("routed / dense layers", f"{routed} / {len(record['layers']) - routed}"),

@@ -206,8 +206,10 @@ class HfExporter:
             raise RuntimeError(f"internal error: {self.name} tensors left unwritten: {', '.join(unwritten[:5])}")
         target = target.to(next(model.parameters()).device).eval()
         approximate = any(p.routing is not None and p.routing.approximate for p in parts)
-        record = {"format": self.name, "exact": not approximate,
-                  "rearranged_layers": self.format.rearranged(parts, config), **_compare(model, target, approximate),
+        attention = _compare_attention(model, target)  # padded head dimensions: proven in float64 instead
+        record = {"format": self.name, "exact": not approximate, **attention,
+                  "rearranged_layers": self.format.rearranged(parts, config),
+                  **_compare(model, target, approximate or bool(attention["padded_attention_layers"])),
                   **_compare_mlps(model, target, parts, approximate, self.format),
                   "layers": [_layer_record(p) for p in parts],
                   "params": {"source": _count(model), "export": _count(target)}}
@@ -241,6 +243,32 @@ def _compare(source: PreTrainedModel, target: PreTrainedModel, approximate: bool
         raise RuntimeError(f"the {target.config.model_type} export differs from the source by {diff:.3g} in the "
                            f"logits (allowed {bound:.3g}); not written — please report this model")
     return {"max_abs_logit_diff": diff, "probe": f"{PROBE_SHAPE[0]}x{length} random token ids (seed 0)"}
+
+
+def _compare_attention(source: PreTrainedModel, target: PreTrainedModel) -> dict[str, Any]:
+    """Largest |difference| between each statically pruned attention and its zero-padded export, both in
+    float64 on the same random hidden states (the rotary embedding of the source): the mapping itself.
+    The padded products sum in another order, which on a deep model moves float32 logits beyond the
+    bound ``_compare`` holds exact exports to, so these layers are proven here. Above
+    ``MAPPING_TOLERANCE`` is a bug: not written."""
+    layers = [(name, m) for name, m in source.named_modules() if isinstance(m, PrunedAttention)]
+    if not layers:
+        return {"padded_attention_layers": []}
+    device = next(source.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, MLP_PROBE_TOKENS, source.config.hidden_size, generator=generator, dtype=torch.float64)
+    x = x.to(device)
+    cos, sin = source.model.rotary_emb(x, torch.arange(MLP_PROBE_TOKENS, device=device)[None])
+    gap, scale = 0.0, 0.0
+    for name, module in layers:
+        mine, theirs = copy.deepcopy(module).double(), copy.deepcopy(target.get_submodule(name)).double()
+        expected = mine(x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        got = theirs(x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        gap, scale = max(gap, float((got - expected).abs().max())), max(scale, float(expected.abs().max()))
+    if gap > MAPPING_TOLERANCE * max(1.0, scale):
+        raise RuntimeError(f"an attention of the {target.config.model_type} export differs from the source's by "
+                           f"{gap:.3g} in float64; not written — please report this model")
+    return {"padded_attention_layers": [name for name, _ in layers], "max_abs_attention_diff_float64": gap}
 
 
 def _compare_mlps(source: PreTrainedModel, target: PreTrainedModel, parts: list[LayerParts],
