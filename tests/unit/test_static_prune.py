@@ -109,7 +109,8 @@ def test_pruned_head_dims_export_exactly_as_zeros_in_a_dense_llama(family, make_
     _prune(make_ctx, model, 0.5)
     export = EXPORTERS["llama"].build(model)
     assert export.record["exact"] and export.record["max_abs_mlp_diff_float64"] == 0.0
-    assert len(export.record["padded_attention_layers"]) == 2 and export.record["max_abs_attention_diff_float64"] < 1e-12
+    assert len(export.record["padded_attention_layers"]) == 2
+    assert export.record["max_abs_attention_diff_float64"] < 1e-12
     attn = export.model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (4 * HD, 64) and attn.v_proj.weight.shape == (2 * HD, 64)
     with torch.no_grad():
