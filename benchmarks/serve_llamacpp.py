@@ -73,9 +73,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
+    from transformers import AutoTokenizer
+
     import moeify
     from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens
-    from transformers import AutoTokenizer
 
     args.work.mkdir(parents=True, exist_ok=True)
     eval_text = args.work / "wikitext2_raw_test_first20000.txt"

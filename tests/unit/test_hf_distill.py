@@ -10,8 +10,14 @@ from transformers import AutoModelForCausalLM
 import moeify
 from moeify.api import ConversionResult
 from moeify.cli.main import main
+from moeify.export.hf_distill import (
+    SCORE_SPAN,
+    agreement,
+    distilled_routing,
+    fit_linear_router,
+    renormalised_weight_deviation,
+)
 from moeify.export.hf_export import EXPORTERS
-from moeify.export.hf_distill import SCORE_SPAN, _routing, agreement, fit_linear_router, renormalised_weight_deviation
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from tests.helpers.conversion import clone, conversion_context
@@ -71,7 +77,7 @@ def test_top2_sets_are_fitted_and_their_renormalised_weights_are_one():
     chosen = (x @ truth.T).topk(2, dim=-1).indices
     weight = fit_linear_router(x[:3000], chosen[:3000], 6, steps=300)
     assert agreement(weight, x[3000:], chosen[3000:]) > 0.9
-    routing = _routing(weight, x[:3000], 2)
+    routing = distilled_routing(weight, x[:3000], 2)
     assert routing.weighting == "renormalised" and routing.expert_scale == 2.0 and routing.approximate
     assert agreement(routing.weight, x[3000:], chosen[3000:]) == agreement(weight, x[3000:], chosen[3000:])
     assert renormalised_weight_deviation(routing.weight, x[3000:], 2) < 2 * SCORE_SPAN

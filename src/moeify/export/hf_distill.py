@@ -118,7 +118,7 @@ def renormalised_weight_deviation(weight: Tensor, x: Tensor, k: int) -> float:
     return float((k * p / p.sum(dim=-1, keepdim=True) - 1).abs().max())
 
 
-def _routing(weight: Tensor, x: Tensor, k: int) -> Routing:
+def distilled_routing(weight: Tensor, x: Tensor, k: int) -> Routing:
     """Unit top-1 as it is; unit top-k as renormalised weights of scores scaled into ``SCORE_SPAN``."""
     if k == 1:
         return Routing(weight, 1, "unit", approximate=True)
@@ -139,7 +139,7 @@ def distill_routers(model: PreTrainedModel, tokenizer, paths: list[str], steps: 
         router = model.get_submodule(path).router
         x, chosen, weight_dev = fit[path]
         k = chosen.shape[1]
-        routing = _routing(fit_linear_router(x, chosen, router.num_experts, steps, seed), x, k)
+        routing = distilled_routing(fit_linear_router(x, chosen, router.num_experts, steps, seed), x, k)
         routings[path] = routing
         layers.append({"path": path, "top_k": k, "calib_tokens": x.shape[0], "held_out_tokens": test[path][0].shape[0],
                        "calib_agreement": agreement(routing.weight, x, chosen),
