@@ -49,9 +49,13 @@ def test_every_method_converts_bfloat16_to_bfloat16_and_it_reloads_identically(m
     method.check(config, model.config)
     torch.manual_seed(0)
     method.run(conversion_context(model, tokenizer, calib_text), config)
+    float32 = {f"{path}.{attr}" for path, module in model.named_modules()  # e.g. TEAL's thresholds
+               for attr in getattr(module, "float32_buffers", ())}
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    floats |= {b.dtype for name, b in model.named_buffers() if b.is_floating_point() and name not in rotary}
+    floats |= {b.dtype for name, b in model.named_buffers()
+               if b.is_floating_point() and name not in rotary and name not in float32}
     assert floats == {torch.bfloat16}
+    assert {b.dtype for name, b in model.named_buffers() if name in float32} <= {torch.float32}
     assert {name: b.dtype for name, b in model.named_buffers() if "rotary" in name} == rotary  # kept as loaded
     with torch.no_grad():
         logits = model.eval()(IDS).logits
