@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 
 from moeify.arch import DecoderAdapter, UnsupportedFamilyError
+from moeify.arch.standard_moe import DENSE_REFERENCE_KEY
 from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import (
     LayerParts,
@@ -35,7 +36,6 @@ from moeify.export.hf_parts import (
 )
 from moeify.files import atomic_dir
 from moeify.moe.accounting import dense_reference
-from moeify.moe.standard_moe import DENSE_REFERENCE_KEY
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.packed import GROUPED_MM_DTYPES
@@ -247,18 +247,28 @@ def _compare(source: PreTrainedModel, target: PreTrainedModel, approximate: bool
 
 def _compare_attention(source: PreTrainedModel, target: PreTrainedModel) -> dict[str, Any]:
     """Largest |difference| between each statically pruned attention and its zero-padded export, both in
-    float64 on the same random hidden states (the rotary embedding of the source): the mapping itself.
-    The padded products sum in another order, which on a deep model moves float32 logits beyond the
-    bound ``_compare`` holds exact exports to, so these layers are proven here. Above
-    ``MAPPING_TOLERANCE`` is a bug: not written."""
+    float64 on the same random hidden states (with the rotary cos/sin the source passes its first pruned
+    attention on a probe): the mapping itself. The padded products sum in another order, which on a deep
+    model moves float32 logits beyond the bound ``_compare`` holds exact exports to, so these layers are
+    proven here. Above ``MAPPING_TOLERANCE`` is a bug: not written."""
     layers = [(name, m) for name, m in source.named_modules() if isinstance(m, PrunedAttention)]
     if not layers:
         return {"padded_attention_layers": []}
     device = next(source.parameters()).device
+    rotary: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def grab(_module: nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
+        rotary.setdefault("cos_sin", kwargs["position_embeddings"])
+
+    handle = layers[0][1].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        source(input_ids=torch.zeros(1, MLP_PROBE_TOKENS, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        handle.remove()
+    cos, sin = (t.double() for t in rotary["cos_sin"])
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, MLP_PROBE_TOKENS, source.config.hidden_size, generator=generator, dtype=torch.float64)
     x = x.to(device)
-    cos, sin = source.model.rotary_emb(x, torch.arange(MLP_PROBE_TOKENS, device=device)[None])
     gap, scale = 0.0, 0.0
     for name, module in layers:
         mine, theirs = copy.deepcopy(module).double(), copy.deepcopy(target.get_submodule(name)).double()

@@ -119,7 +119,7 @@ def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: 
         return ["top-k weights renormalised over the chosen experts, beside an always-on part: qwen2_moe's "
                 "norm_topk_prob=True and granitemoeshared only"]
     if weighting in ("softmax", "renormalised") and len({len(p.experts) for p in routed}) > 1:
-        return [f"with {weighting} softmax weights every routed layer needs the same number of experts "
+        return [f"with {weighting} weights every routed layer needs the same number of experts "
                 "(a padding expert would change the probabilities)"]
     return []
 

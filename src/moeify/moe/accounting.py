@@ -28,8 +28,8 @@ from typing import Any
 from torch import nn
 
 from moeify.arch import DecoderAdapter
+from moeify.arch.standard_moe import DENSE_REFERENCE_KEY, decoder_layers, is_standard_moe, layer_counts
 from moeify.files import MOEIFY_KEY
-from moeify.moe.standard_moe import DENSE_REFERENCE_KEY, decoder_layers, is_standard_moe, layer_counts
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.sparse_inputs import ThresholdedLinear

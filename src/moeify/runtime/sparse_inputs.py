@@ -40,9 +40,10 @@ class ThresholdedLinear(nn.Linear):
         self.stats_kept = 0
 
     def _apply(self, fn: Any, recurse: bool = True) -> "ThresholdedLinear":
-        threshold = self.threshold
+        kept = {name: getattr(self, name) for name in self.float32_buffers}
         super()._apply(fn, recurse)
-        self.threshold = threshold.to(device=self.threshold.device)
+        for name, value in kept.items():  # the cast's device, the buffer's own dtype
+            setattr(self, name, value.to(device=getattr(self, name).device))
         return self
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
-"""Activated parameters of MoE architectures that transformers implements: the standard exports moeify
-writes (``qwen2_moe``, ``glm4_moe``, ``mixtral``, ``granitemoeshared``) and any other model of those
-types, so that ``moeify eval`` and ``moeify bench`` measure them like native conversions.
+"""The MoE blocks of architectures that transformers implements, counted for activated parameters: the
+standard exports moeify writes (``qwen2_moe``, ``glm4_moe``, ``mixtral``, ``granitemoeshared``) and any
+other model of those types, so that ``moeify eval`` and ``moeify bench`` measure them like native
+conversions (``moe.accounting``). Their module names live here, with the other families' (``arch``).
 
 Per decoder layer: the attention projections, the MLP outside its routed experts (shared experts, a
 dense layer's whole MLP) and ``num_experts_per_tok / E`` of the routed experts (every token runs exactly
