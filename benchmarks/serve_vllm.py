@@ -1,4 +1,4 @@
-"""vLLM serves what moeify makes: exports of SmolLM2-135M by five methods give moeify's own greedy tokens.
+"""vLLM serves what moeify makes: exports of SmolLM2-135M by every method give moeify's own greedy tokens.
 
 Run with the python of the vLLM virtual environment, which ``benchmarks/make_vllm_venv.sh`` makes (vLLM's
 CPU build with moeify installed beside it):
@@ -8,11 +8,11 @@ CPU build with moeify installed beside it):
 
 For each method: convert SmolLM2 (the GGUF in ../shared/assets, float32; calibration and training on
 WikiText-2 valid at small budgets: what is checked here is the export, not the conversion's quality),
-export it to the format that represents it (``EXPORTS``: exactly, or with routers distilled to linear
-ones), then decode greedily ``--new-tokens`` tokens for 8 prompts (the first 32 tokens of 8 WikiText-2
-test paragraphs) in vLLM (float32, eager) and with moeify's native model, and compare the tokens
-(``moeify.evaluation.serving``). An exact export must give identical tokens; a distilled one is a
-different model, so beside its token agreement stand its routing agreement and perplexity change on
+export it to the format that represents it (``EXPORTS``: exactly, or ``--approximate``: routers distilled
+to linear ones, per-token parts made static), then decode greedily ``--new-tokens`` tokens for 8 prompts
+(the first 32 tokens of 8 WikiText-2 test paragraphs) in vLLM (float32, eager) and with moeify's native model, and compare the tokens
+(``moeify.evaluation.serving``). An exact export must give identical tokens; an approximate one is a
+different model, so beside its token agreement stand its parts' agreement and perplexity change on
 held-out text (from its export record), and the served tokens are also compared with the export's own
 in transformers. The dense model, served and run by transformers, is the first
 row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints
@@ -40,17 +40,22 @@ OUT = Path(__file__).resolve().parent / "results" / "serve_vllm.jsonl"
 SPEED_OUT = Path(__file__).resolve().parent / "results" / "serve_vllm_speed.jsonl"
 PROMPTS, PROMPT_TOKENS = 8, 32
 SPEED_PROMPTS, SPEED_PROMPT_TOKENS = 32, 350
-EVAL_CHARS = 20000  # held-out text for the conversions' and distillations' perplexities
-# row -> (method, conversion options, export format, distillation steps or None for an exact export)
-EXPORTS: dict[str, tuple[str, dict[str, Any], str, int | None]] = {
-    "more": ("more", {}, "qwen2_moe", None),
-    "more-granitemoeshared": ("more", {}, "granitemoeshared", None),  # the llama.cpp-safe format
-    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", None),
-    "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", None),
-    "static_prune": ("static_prune", {}, "llama", None),  # pruned head dimensions zero-padded back
-    "static_prune-mlp": ("static_prune", {"attention": "off"}, "llama", None),
-    # S2A2E16: top-2 with unit weights, distilled to renormalised weights
-    "cmoe": ("cmoe", {}, "qwen2_moe", 300),
+EVAL_CHARS = 20000  # held-out text for the conversions' and approximations' perplexities
+# row -> (method, conversion options, export format, whether the export is --approximate)
+EXPORTS: dict[str, tuple[str, dict[str, Any], str, bool]] = {
+    "more": ("more", {}, "qwen2_moe", False),
+    "more-granitemoeshared": ("more", {}, "granitemoeshared", False),  # the llama.cpp-safe format
+    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", False),
+    "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", False),
+    "static_prune": ("static_prune", {}, "llama", False),  # pruned head dimensions zero-padded back
+    "static_prune-mlp": ("static_prune", {"attention": "off"}, "llama", False),
+    # S2A2E16: top-2 with unit weights, routers distilled to renormalised weights
+    "cmoe": ("cmoe", {}, "qwen2_moe", True),
+    # the other default conversions, approximated: per-token attention dimensions made static (ToMoE),
+    # the threshold router at its mean expert count (DSMoE), the input thresholds dropped (TEAL)
+    "tomoe-attention": ("tomoe", {"steps": 10, "checkpoint_every": 0}, "qwen2_moe", True),
+    "dsmoe": ("dsmoe", {"steps": 10, "checkpoint_every": 0}, "glm4_moe", True),
+    "teal": ("teal", {}, "llama", True),
 }
 
 
@@ -104,7 +109,7 @@ def dense_folder(work: Path) -> Path:
 
 def exported(row: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
     """(native folder, export folder) of ``row``, converted and exported once."""
-    method, options, fmt, distill = EXPORTS[row]
+    method, options, fmt, approximate = EXPORTS[row]
     name = "-".join([method, *(f"{key}={value}" for key, value in options.items())])
     native, export = work / name, work / f"{name}-{fmt}"
     if not (native / "config.json").is_file():
@@ -112,8 +117,7 @@ def exported(row: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
         moeify_cli("convert", str(work / "dense"), "--method", method, "--out", str(native), "--calib", str(CALIB),
                    "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
     if not (export / "config.json").is_file():
-        extra = [] if distill is None else ["--distill-router", str(distill), "--calib", str(CALIB),
-                                            "--eval", str(eval_text)]
+        extra = ["--approximate", "--calib", str(CALIB), "--eval", str(eval_text)] if approximate else []
         moeify_cli("export", str(native), "--format", fmt, "--out", str(export), "--overwrite", *extra)
     return native, export
 
@@ -134,12 +138,12 @@ def check(name: str, native: Path, served: Path, ids: list[list[int]], new_token
     if record_path.is_file():
         record = json.loads(record_path.read_text())
         row.update(format=record["format"], exact=record["exact"], max_abs_logit_diff=record["max_abs_logit_diff"])
-        if "distillation" in record:  # a different model: is it served as transformers computes it?
+        if "approximation" in record:  # a different model: is it served as transformers computes it?
             export_model, _ = moeify.load_model(str(served), dtype="float32")
             row["served_vs_export"] = compare_tokens(native_tokens(export_model, ids, new_tokens), vllm["tokens"])
-            d = record["distillation"]
-            row["distillation"] = {k: d[k] for k in ("steps", "calib_agreement", "held_out_agreement",
-                                                     "source_ppl", "export_ppl", "ppl_change")}
+            a = record["approximation"]
+            row["approximation"] = {"agreement": {part: v["held_out_agreement"] for part, v in a["parts"].items()},
+                                    **{k: a[k] for k in ("source_ppl", "export_ppl", "ppl_change")}}
     return row
 
 
@@ -157,10 +161,12 @@ def markdown(path: Path) -> str:
             lines.append(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['speedup']:.2f} | {ideal} |")
         return "\n".join(lines)
     lines = ["| row | format | exact | vLLM = native: identical sequences (token agreement) | vLLM = export "
-             "in transformers | routing agreement (held out) | PPL native -> export |", "|---|---|---|---|---|---|---|"]
+             "in transformers | approximated part: agreement (held out) | PPL native -> export |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        d, own = r.get("distillation"), r.get("served_vs_export")
-        routing = "-" if d is None else f"{d['held_out_agreement']:.3f}"
+        d, own = r.get("approximation"), r.get("served_vs_export")
+        routing = "-" if d is None else ", ".join(f"{part.replace('_', ' ')} {value:.3f}"
+                                                  for part, value in d["agreement"].items())
         ppl = "-" if d is None else f"{d['source_ppl']:.2f} -> {d['export_ppl']:.2f}"
         itself = "-" if own is None else f"{own['identical_sequences']}/{own['sequences']}"
         lines.append(f"| {r['row']} | {r.get('format', '-')} | {r.get('exact', '-')} | "

@@ -1,5 +1,5 @@
 """CMoE's router is not linear, so no standard format holds it: export fails saying why and what to do;
-``--distill-router`` fits linear routers to its decisions and reports agreement and perplexity change."""
+``--approximate`` fits linear routers to its decisions and reports agreement and perplexity change."""
 
 import json
 
@@ -35,7 +35,7 @@ def test_export_without_distillation_says_why_and_what_to_do(cmoe_folder, tmp_pa
     assert main(["export", str(cmoe_folder), "--format", "glm4_moe", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "glm4_moe cannot represent this model" in err and "is not linear in x" in err
-    assert "pass --distill-router STEPS" in err
+    assert "--approximate exports its closest form" in err
     assert "model.layers.0.mlp, model.layers.1.mlp" in err and err.count("is not linear") == 1  # one line, 5 layers
     assert not (tmp_path / "out").exists()
 
@@ -43,16 +43,18 @@ def test_export_without_distillation_says_why_and_what_to_do(cmoe_folder, tmp_pa
 @pytest.mark.slow  # 200 distillation steps on 5 layers and two perplexity evaluations (~4 s)
 def test_distilled_export_reports_agreement_and_perplexity_change(cmoe_folder, tmp_path, capsys):
     out = tmp_path / "glm"
-    assert main(["export", str(cmoe_folder), "--format", "glm4_moe", "--out", str(out), "--distill-router", "200"]) == 0
+    assert main(["export", str(cmoe_folder), "--format", "glm4_moe", "--out", str(out), "--approximate",
+                 "--distill-steps", "200"]) == 0
     captured = capsys.readouterr()
-    assert "APPROXIMATE (distilled routers)" in captured.out and "warning: the routers were distilled" in captured.err
-    assert "router agreement calib / held-out" in captured.out and "perplexity on tinystories_eval" in captured.out
+    assert "APPROXIMATE (--approximate)" in captured.out and "warning: the exported model approximates" in captured.err
+    assert "approximated: fitted routers" in captured.out and "perplexity on tinystories_eval" in captured.out
     record = json.loads((out / "moeify_export.json").read_text())
-    distill = record["distillation"]
+    approximation = record["approximation"]
+    distill = approximation["parts"]["fitted_routers"]
     assert record["exact"] is False and distill["steps"] == 200
-    assert "NOT the converted model" in distill["approximation"]
+    assert "NOT the converted model" in approximation["note"]
     assert 1 / 8 < distill["held_out_agreement"] <= distill["calib_agreement"] + 0.05 <= 1.05  # beats chance (8)
-    assert distill["ppl_change"] == pytest.approx(distill["export_ppl"] - distill["source_ppl"])
+    assert approximation["ppl_change"] == pytest.approx(approximation["export_ppl"] - approximation["source_ppl"])
     assert [layer["original_weight_max_dev_from_1"] for layer in distill["layers"]] == [0.0] * 5  # u = 0
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded).__name__ == "Glm4MoeForCausalLM"
@@ -90,14 +92,14 @@ def test_a_top2_cmoe_exports_as_qwen2_moe_with_renormalised_weights(stories, tok
     convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))  # top-2 of 7 routed experts, unit weights
     native = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "native")
     support = EXPORTERS["qwen2_moe"].supports(moeify.load(native), explain=True)
-    assert not support and support.distillable and "pass --distill-router STEPS" in str(support)
+    assert not support and support.approximable and "--approximate" in str(support)
     assert main(["export", str(native), "--format", "glm4_moe", "--out", str(tmp_path / "g"),
-                 "--distill-router", "100"]) == 2  # sigmoid scores: no renormalised softmax
+                 "--approximate", "--distill-steps", "100"]) == 2  # sigmoid scores: no renormalised softmax
     assert main(["export", str(native), "--format", "qwen2_moe", "--out", str(tmp_path / "q"),
-                 "--distill-router", "100"]) == 0
+                 "--approximate", "--distill-steps", "100"]) == 0
     record = json.loads((tmp_path / "q" / "moeify_export.json").read_text())
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["num_experts_per_tok"] == 2 and config["norm_topk_prob"] is True
-    layers = record["distillation"]["layers"]
-    assert all(layer["top_k"] == 2 and 0 < layer["max_weight_dev_from_1"] < 2 * SCORE_SPAN for layer in layers)
-    assert 1 / 21 < record["distillation"]["held_out_agreement"]  # beats chance: C(7, 2) = 21 sets
+    fitted = record["approximation"]["parts"]["fitted_routers"]
+    assert all(layer["top_k"] == 2 and 0 < layer["max_weight_dev_from_1"] < 2 * SCORE_SPAN for layer in fitted["layers"])
+    assert 1 / 21 < fitted["held_out_agreement"]  # beats chance: C(7, 2) = 21 sets

@@ -168,11 +168,11 @@ def test_cli_check_and_export(native, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
     assert main(["export", str(native), "--format", "gpt_oss", "--out", str(tmp_path / "x")]) == 2
     assert "unknown export format 'gpt_oss'; available: glm4_moe, qwen2_moe, mixtral, granitemoeshared, llama" in capsys.readouterr().err
-    distill = ["--format", "glm4_moe", "--out", str(tmp_path / "d"), "--distill-router", "5"]
-    assert main(["export", str(native), *distill]) == 2
-    assert "applies to non-linear routers; this model has none" in capsys.readouterr().err
+    approximate = ["--format", "glm4_moe", "--out", str(tmp_path / "d"), "--approximate"]
+    assert main(["export", str(native), *approximate]) == 2
+    assert "this model has none: its export is exact without it" in capsys.readouterr().err
     assert main(["export", str(native), "--format", "glm4_moe", "--out", str(tmp_path / "c"), "--eval", "x.txt"]) == 2
-    assert "they need --distill-router STEPS" in capsys.readouterr().err
+    assert "they need --approximate" in capsys.readouterr().err
 
 
 def test_dense2moe_export_keeps_the_fused_depth_and_the_softmax_weights(exports):

@@ -163,15 +163,15 @@ def test_source_families_the_formats_cannot_hold_are_explained(family, overrides
         EXPORTERS[fmt].build(source)
 
 
-@pytest.mark.parametrize("router, reason", [
-    (lambda d, n: prototypes(d, n, top_k=2), "2 experts per token each with weight 1"),
-    (lambda d, n: ThresholdRouter(d, n), "token-dependent set of experts"),
+@pytest.mark.parametrize("router, reason, approximable", [
+    (lambda d, n: prototypes(d, n, top_k=2), "2 experts per token each with weight 1", False),
+    (lambda d, n: ThresholdRouter(d, n), "token-dependent set of experts", True),  # its gates at a fixed k
 ])
-def test_routers_no_format_computes_are_explained(router, reason):
+def test_routers_no_format_computes_are_explained(router, reason, approximable):
     source = with_moe(tiny_model("llama"), {0: 4, 1: 4}, router)
     for fmt in FORMATS:
         support = EXPORTERS[fmt].supports(source, explain=True)
-        assert not support and reason in str(support) and not support.distillable
+        assert not support and reason in str(support) and support.approximable is approximable
 
 
 def test_a_dense_model_has_nothing_to_export_as_moe_and_exports_as_llama():

@@ -15,17 +15,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "export", help="write a converted model as a standard HF model (glm4_moe, qwen2_moe, mixtral; llama if dense)",
         description="Write the converted model in MODEL_DIR as a standard transformers MoE architecture that "
                     "loads without trust_remote_code (and in serving engines), when the format represents the "
-                    "conversion exactly; otherwise say why. --check lists what every format says. Non-linear "
-                    "routers (CMoE) need --distill-router, which fits linear routers to their decisions: an "
-                    "approximation, reported with its routing agreement and perplexity change. The native "
-                    "folder written by `moeify convert` stays the lossless format.")
+                    "conversion exactly; otherwise say why. --check lists what every format says. What no format "
+                    "computes exactly takes --approximate, which writes its closest form, chosen on calibration "
+                    "text: linear routers fitted to non-linear ones (CMoE), threshold routers at their mean "
+                    "expert count (DSMoE), static attention dimensions for per-token ones (ToMoE), dense "
+                    "projections for thresholded ones (TEAL); each part's agreement and the perplexity change "
+                    "are reported. The native folder written by `moeify convert` stays the lossless format.")
     parser.add_argument("model", type=Path, help="converted model folder (moeify convert --out)")
     parser.add_argument("--format", default=None, help="target architecture (see --check)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (created atomically)")
     parser.add_argument("--check", action="store_true", help="only say which formats represent the model, and why not")
-    parser.add_argument("--distill-router", type=int, default=None, metavar="STEPS",
-                        help="fit linear routers to non-linear routers' decisions with STEPS optimiser steps")
-    parser.add_argument("--calib", default=None, help="distillation text (default: embedded calibration slice)")
+    parser.add_argument("--approximate", action="store_true",
+                        help="write the closest form of what the format cannot represent (measured, reported)")
+    parser.add_argument("--distill-steps", type=int, default=None, metavar="STEPS",
+                        help="optimiser steps of the routers --approximate fits (default 300)")
+    parser.add_argument("--calib", default=None, help="text the approximation is chosen on (default: embedded "
+                                                      "calibration slice)")
     parser.add_argument("--eval", default=None, help="text for the perplexity change (default: embedded "
                                                      "evaluation slice)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -49,6 +54,19 @@ def _float32_sums(rearranged: list[int]) -> str:
             "experts, or a wider shared part: same function, other float32 rounding)")
 
 
+def _approximation_rows(approximation: dict) -> list[tuple[str, str]]:
+    """One row per approximated part (what replaced it, its held-out agreement) and the perplexity change."""
+    rows = []
+    for name, part in approximation["parts"].items():
+        rows.append((f"approximated: {name.replace('_', ' ')}",
+                     f"{part['what']}; held-out agreement {part['held_out_agreement']:.3f}"))
+        if name == "fitted_routers" and (deviation := max(x["max_weight_dev_from_1"] for x in part["layers"])):
+            rows.append(("max |expert weight - 1|, held-out", f"{deviation:.2g} (top-k renormalised weights)"))
+    rows.append((f"perplexity on {approximation['eval']['name']}", f"{approximation['source_ppl']:.3f} -> "
+                 f"{approximation['export_ppl']:.3f} ({approximation['ppl_change']:+.3f})"))
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     if args.check:
         return _print_check(args.model)
@@ -56,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--format and --out are required (or --check to see which formats fit)")
     from moeify.api import export_folder
 
-    record = export_folder(args.model, args.format, args.out, distill_steps=args.distill_router, calib=args.calib,
-                           eval=args.eval, seed=args.seed, overwrite=args.overwrite, device=args.device,
-                           dtype=args.dtype)
+    record = export_folder(args.model, args.format, args.out, approximate=args.approximate,
+                           distill_steps=args.distill_steps, calib=args.calib, eval=args.eval, seed=args.seed,
+                           overwrite=args.overwrite, device=args.device, dtype=args.dtype)
     routed = sum(layer["routed"] for layer in record["layers"])
     rows = [("format", record["format"]),
-            ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (distilled routers)"),
+            ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (--approximate)"),
             ("max |MLP difference|, float64", f"{record['max_abs_mlp_diff_float64']:.3g} (the mapping itself)"),
             *([("max |attention difference|, float64",
                 f"{record['max_abs_attention_diff_float64']:.3g} (pruned head dims zero-padded in "
@@ -71,16 +89,9 @@ def run(args: argparse.Namespace) -> int:
             ("float32 MLP sums", _float32_sums(record["rearranged_layers"])),
             ("routed / dense layers", f"{routed} / {len(record['layers']) - routed}"),
             ("params source -> export", f"{record['params']['source']:,} -> {record['params']['export']:,}")]
-    if distill := record.get("distillation"):
-        deviation = max(layer["max_weight_dev_from_1"] for layer in distill["layers"])
-        rows += [("router agreement calib / held-out",
-                  f"{distill['calib_agreement']:.3f} / {distill['held_out_agreement']:.3f} (the chosen set exactly)"),
-                 ("max |expert weight - 1|, held-out", f"{deviation:.2g} (top-k renormalised weights)" if deviation
-                  else "0 (top-1)"),
-                 (f"perplexity on {distill['eval']['name']}",
-                  f"{distill['source_ppl']:.3f} -> {distill['export_ppl']:.3f} ({distill['ppl_change']:+.3f})")]
-        print("warning: the routers were distilled; the exported model approximates the converted one",
-              file=sys.stderr)
+    if approximation := record.get("approximation"):
+        rows += _approximation_rows(approximation)
+        print("warning: the exported model approximates the converted one (--approximate)", file=sys.stderr)
     print_table(f"moeify export --format {record['format']}", rows)
     print(f"wrote {args.out}/ (loads with transformers.AutoModelForCausalLM.from_pretrained, no remote code)")
     return 0

@@ -1,4 +1,4 @@
-"""Router distillation for export: fit a linear router to a non-linear router's decisions.
+"""Router distillation for export (``--approximate``): fit a linear router to a non-linear router's decisions.
 
 Standard MoE formats compute router scores ``x @ W.T``; CMoE's router scores are SwiGLU hidden values
 of representative neurons, which no linear map reproduces. ``distill_routers`` records, on calibration
@@ -29,11 +29,9 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from moeify.calibration.data import TextSource, token_stream
 from moeify.calibration.hooks import capture_inputs
 from moeify.export.hf_parts import Routing
 
-MAX_TOKENS = 16384  # per text: inputs of every distilled layer are held in memory (tokens x d floats)
 LEARNING_RATE = 0.05  # Adam, on inputs scaled to unit mean square
 SCORE_SPAN = 1e-3  # largest |score| of a top-k > 1 router on calibration tokens: weights 1 within ~1e-3
 
@@ -48,11 +46,6 @@ class Distillation:
 
     def mean_agreement(self, key: str) -> float:
         return sum(layer[key] for layer in self.layers) / len(self.layers)
-
-
-def _windows(source: TextSource, tokenizer, seq_len: int, max_tokens: int) -> list[Tensor]:
-    stream = token_stream(source, tokenizer)[:max_tokens].long()
-    return [w for w in stream.split(seq_len) if len(w) >= 2]
 
 
 @torch.no_grad()
@@ -127,13 +120,12 @@ def distilled_routing(weight: Tensor, x: Tensor, k: int) -> Routing:
                    expert_scale=float(k))
 
 
-def distill_routers(model: PreTrainedModel, tokenizer, paths: list[str], steps: int, calib: TextSource,
-                    held_out: TextSource, *, seq_len: int, max_tokens: int = MAX_TOKENS, seed: int = 0) -> Distillation:
-    """Fit a linear top-k router for each layer in ``paths`` on ``calib``; agreement on both texts."""
-    if steps < 1:
-        raise ValueError(f"distill steps={steps} must be >= 1")
-    fit = router_decisions(model, paths, _windows(calib, tokenizer, seq_len, max_tokens))
-    test = router_decisions(model, paths, _windows(held_out, tokenizer, seq_len, max_tokens))
+def distill_routers(model: PreTrainedModel, paths: list[str], steps: int, calib: list[Tensor],
+                    held_out: list[Tensor], *, seed: int = 0) -> Distillation:
+    """Fit a linear top-k router for each layer in ``paths`` on the token windows ``calib``; agreement on
+    both."""
+    fit = router_decisions(model, paths, calib)
+    test = router_decisions(model, paths, held_out)
     routings, layers = {}, []
     for path in paths:
         router = model.get_submodule(path).router

@@ -26,19 +26,20 @@ from moeify.arch import DecoderAdapter, UnsupportedFamilyError
 from moeify.arch.standard_moe import DENSE_REFERENCE_KEY
 from moeify.export.hf_formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import (
+    EXACT,
+    Approximation,
     LayerParts,
     NotRepresentable,
-    Routing,
     grouped_reasons,
     layer_parts,
-    linear_routing,
     padded_attention,
+    thresholds_reason,
 )
 from moeify.files import atomic_dir
 from moeify.moe.accounting import dense_reference
 from moeify.runtime.attention import PrunedAttention
-from moeify.runtime.moe import MoeMLP
 from moeify.runtime.packed import GROUPED_MM_DTYPES
+from moeify.runtime.sparse_inputs import ThresholdedLinear
 
 EXPORT_RECORD = "moeify_export.json"
 PROBE_SHAPE = (2, 64)  # random token ids the source and the export are compared on
@@ -54,11 +55,11 @@ class NotExportable(ValueError):
 @dataclass(frozen=True)
 class Support:
     """Whether a format represents a model; ``bool(support)`` is the answer, ``reasons`` say why not.
-    ``distillable``: every reason is a non-linear router that ``--distill-router`` would replace."""
+    ``approximable``: every reason is a part that ``--approximate`` would replace by its closest form."""
 
     format: str
     reasons: tuple[str, ...] = ()
-    distillable: bool = False
+    approximable: bool = False
 
     def __bool__(self) -> bool:
         return not self.reasons
@@ -87,27 +88,34 @@ def _sliding_window(config: PretrainedConfig) -> int | None:
     return window if window is not None and window < config.max_position_embeddings else None
 
 
-def _source(model: PreTrainedModel) -> tuple[Source, dict[str, torch.Tensor], list[str]]:
-    """The non-MLP tensors of ``model`` (attention, norms, embeddings) and reasons no format takes it."""
+def _source(model: PreTrainedModel, approximation: Approximation
+            ) -> tuple[Source, dict[str, torch.Tensor], list[NotRepresentable]]:
+    """The non-MLP tensors of ``model`` (attention, norms, embeddings) and why no format takes them."""
     adapter = DecoderAdapter(model)
     mlp_prefixes = tuple(adapter.mlp_path(i) + "." for i in range(adapter.num_layers))
     tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(mlp_prefixes)}
-    reasons = []
+    errors = []
     for name, attn in ((n, m) for n, m in model.named_modules() if isinstance(m, PrunedAttention)):
-        for buffer in ("qk_index", "vo_index"):
-            tensors.pop(f"{name}.{buffer}", None)
+        for key in [k for k in tensors if k.startswith(f"{name}.router.")] + [f"{name}.qk_index", f"{name}.vo_index"]:
+            tensors.pop(key, None)  # index buffers, and a per-token router the static dimensions replace
         try:
-            tensors.update(padded_attention(f"{name}.", attn))
+            tensors.update(padded_attention(f"{name}.", attn, approximation.attention_dims.get(name)))
         except NotRepresentable as error:
-            reasons.append(str(error))
+            errors.append(error)
             break
-    reasons += list(adapter.family.unexportable)
+    thresholded = [name.removesuffix("weight") + "threshold" for name in tensors if name.endswith(".weight")
+                   and isinstance(model.get_submodule(name.removesuffix(".weight")), ThresholdedLinear)]
+    if thresholded and (reason := thresholds_reason(model, approximation)) is not None:
+        errors.append(reason.at("attention"))
+    for name in thresholded:
+        tensors.pop(name)
+    reasons = list(adapter.family.unexportable)
     if adapter.uses_parallel_residual():
         reasons.append("attention and MLP read the same input (parallel residual); the formats chain them")
     if (window := _sliding_window(model.config)) is not None:
         reasons.append(f"attention uses a sliding window of {window} tokens (< the context "
                        f"{model.config.max_position_embeddings}); the formats attend to the whole context")
-    return Source(model.config, frozenset(tensors)), tensors, reasons
+    return Source(model.config, frozenset(tensors)), tensors, errors + [NotRepresentable(r) for r in reasons]
 
 
 def _target_mlp_prefixes(fmt: TargetFormat, config: PretrainedConfig) -> tuple[str, ...]:
@@ -156,34 +164,35 @@ class HfExporter:
     def name(self) -> str:
         return self.format.name
 
-    def _analyse(self, model: PreTrainedModel, routings: dict[str, Routing] | None) -> _Analysis:
+    def _analyse(self, model: PreTrainedModel, approximation: Approximation) -> _Analysis:
         try:
-            source, tensors, reasons = _source(model)
+            source, tensors, source_errors = _source(model, approximation)
         except UnsupportedFamilyError as error:
             return _Analysis(Support(self.name, (str(error),)))
-        parts, errors = layer_parts(model, routings)
-        # Only the routers stand in the way (so far: the format's own checks run once every layer is known).
-        distillable = bool(errors) and not reasons and all(e.distillable for e in errors)
-        reasons += grouped_reasons(errors)
-        if not errors:
+        parts, layer_errors = layer_parts(model, approximation)
+        errors = source_errors + layer_errors
+        # Only approximable parts stand in the way (so far: the format's own checks run once every layer is known).
+        approximable = bool(errors) and all(e.approximable for e in errors)
+        reasons = grouped_reasons(errors)
+        if not layer_errors:
             reasons += self.format.explain(parts, source)
         config = None
         if not reasons:
             config = self.format.config(parts, source)
             reasons += _layout_reasons(self.format, source, config, tensors)
-        return _Analysis(Support(self.name, tuple(reasons), distillable), parts, tensors, config)
+        return _Analysis(Support(self.name, tuple(reasons), approximable), parts, tensors, config)
 
     def supports(self, model: PreTrainedModel, *, explain: bool = False,
-                 routings: dict[str, Routing] | None = None) -> bool | Support:
-        """Whether this format represents ``model`` (with ``routings`` replacing some routers, e.g. distilled
-        ones); with ``explain=True`` a ``Support`` whose ``reasons`` say precisely why not."""
-        support = self._analyse(model, routings).support
+                 approximation: Approximation = EXACT) -> bool | Support:
+        """Whether this format represents ``model`` (with ``approximation`` in place of what it names); with
+        ``explain=True`` a ``Support`` whose ``reasons`` say precisely why not."""
+        support = self._analyse(model, approximation).support
         return support if explain else bool(support)
 
     @torch.no_grad()
-    def build(self, model: PreTrainedModel, *, routings: dict[str, Routing] | None = None) -> HfExport:
+    def build(self, model: PreTrainedModel, *, approximation: Approximation = EXACT) -> HfExport:
         """The model in this format, built by transformers from its own config; raises ``NotExportable``."""
-        analysis = self._analyse(model, routings)
+        analysis = self._analyse(model, approximation)
         if not analysis.support:
             raise NotExportable(str(analysis.support))
         parts, config = analysis.parts, analysis.config
@@ -205,7 +214,7 @@ class HfExporter:
         if unwritten := sorted(set(state) - written):
             raise RuntimeError(f"internal error: {self.name} tensors left unwritten: {', '.join(unwritten[:5])}")
         target = target.to(next(model.parameters()).device).eval()
-        approximate = any(p.routing is not None and p.routing.approximate for p in parts)
+        approximate = bool(approximation)
         attention = _compare_attention(model, target)  # padded head dimensions: proven in float64 instead
         record = {"format": self.name, "exact": not approximate, **attention,
                   "rearranged_layers": self.format.rearranged(parts, config),
@@ -251,7 +260,7 @@ def _compare_attention(source: PreTrainedModel, target: PreTrainedModel) -> dict
     attention on a probe): the mapping itself. The padded products sum in another order, which on a deep
     model moves float32 logits beyond the bound ``_compare`` holds exact exports to, so these layers are
     proven here. Above ``MAPPING_TOLERANCE`` is a bug: not written."""
-    layers = [(name, m) for name, m in source.named_modules() if isinstance(m, PrunedAttention)]
+    layers = [(name, m) for name, m in source.named_modules() if isinstance(m, PrunedAttention) and m.router is None]
     if not layers:
         return {"padded_attention_layers": []}
     device = next(source.parameters()).device
@@ -310,19 +319,6 @@ def _compare_mlps(source: PreTrainedModel, target: PreTrainedModel, parts: list[
         raise RuntimeError(f"an MLP of the {target.config.model_type} export differs from the source's by {gap:.3g} "
                            "in float64; not written — please report this model")
     return {"max_abs_mlp_diff_float64": gap}
-
-
-def distillable_layers(model: PreTrainedModel) -> list[str]:
-    """Paths of the MoE layers whose router ``--distill-router`` can replace by a fitted linear one."""
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, MoeMLP) and module.router is not None:
-            try:
-                linear_routing(module.router)
-            except NotRepresentable as error:
-                if error.distillable:
-                    out.append(name)
-    return out
 
 
 def _legacy_rope_keys(config: dict[str, Any]) -> dict[str, Any]:

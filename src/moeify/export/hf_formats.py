@@ -12,7 +12,8 @@ that holds a layer at those widths computes the native layer's float32 sums in t
 
 * ``glm4_moe``: sigmoid router with a selection-only bias; with top-1, ``norm_topk_prob`` and
   ``routed_scaling_factor = 1`` the chosen expert weighs s / s = 1. The router is scaled so |scores|
-  <= 2 (sigmoid never saturates into ties). Leading dense layers are ``first_k_dense_replace``; a later
+  <= 2 (sigmoid never saturates into ties). Sigmoid-gate weights (DSMoE's g_i, approximated at a fixed
+  k) are ``norm_topk_prob=False`` with the router as it is. Leading dense layers are ``first_k_dense_replace``; a later
   dense layer keeps its MLP in the shared experts, the overflow in every routed expert (``fold``).
 * ``qwen2_moe``: the shared expert is always-on exactly: a zero ``shared_expert_gate`` gives
   sigmoid(0) = 1/2 and the doubled down projection undoes it (both powers of two: bit-exact). Dense
@@ -100,7 +101,8 @@ class TargetFormat(Protocol):
         ...
 
 
-def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: bool = False) -> list[str]:
+def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: bool = False,
+                    sigmoid_ok: bool = False) -> list[str]:
     """Why the routers of ``parts`` do not fit one global router setting of a format."""
     routed = [p for p in parts if p.routed]
     if not routed:
@@ -118,7 +120,9 @@ def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: 
     if weighting == "renormalised" and not renormalised_ok:
         return ["top-k weights renormalised over the chosen experts, beside an always-on part: qwen2_moe's "
                 "norm_topk_prob=True and granitemoeshared only"]
-    if weighting in ("softmax", "renormalised") and len({len(p.experts) for p in routed}) > 1:
+    if weighting == "sigmoid" and not sigmoid_ok:
+        return ["sigmoid-gate expert weights (not renormalised) are glm4_moe's norm_topk_prob=False only"]
+    if weighting in ("softmax", "renormalised", "sigmoid") and len({len(p.experts) for p in routed}) > 1:
         return [f"with {weighting} weights every routed layer needs the same number of experts "
                 "(a padding expert would change the probabilities)"]
     return []
@@ -156,7 +160,11 @@ class Glm4Moe:
     zero_filled: tuple[str, ...] = ()
 
     def explain(self, parts: list[LayerParts], source: Source) -> list[str]:
-        return routing_reasons(parts, softmax_ok=False)
+        return routing_reasons(parts, softmax_ok=False, sigmoid_ok=True)
+
+    @staticmethod
+    def _sigmoid(parts: list[LayerParts]) -> bool:
+        return any(p.routed and p.routing.weighting == "sigmoid" for p in parts)
 
     @staticmethod
     def _leading_dense(parts: list[LayerParts]) -> int:
@@ -174,14 +182,16 @@ class Glm4Moe:
         return Glm4MoeConfig(**{**source.base_fields(), "rope_parameters": rope, "tie_word_embeddings": False},
                              intermediate_size=dense_width,
                              moe_intermediate_size=width, n_shared_experts=n_shared,
-                             n_routed_experts=max(2, _max([len(p.experts) for p in moe])), num_experts_per_tok=1,
-                             first_k_dense_replace=k, n_group=1, topk_group=1, norm_topk_prob=True,
+                             n_routed_experts=max(2, _max([len(p.experts) for p in moe])),
+                             num_experts_per_tok=moe[0].routing.top_k if moe else 1, first_k_dense_replace=k,
+                             n_group=1, topk_group=1, norm_topk_prob=not self._sigmoid(parts),
                              routed_scaling_factor=1.0, use_qk_norm=source.has("self_attn.q_norm.weight"),
                              attention_bias=source.has("self_attn.q_proj.bias"), num_mtp_layers=0)
 
     def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         width, experts_n = config.moe_intermediate_size, config.n_routed_experts
+        sigmoid = self._sigmoid(parts)  # the scores' own sigmoid weighs the experts: not rescaled
         for part in parts:
             prefix = f"model.layers.{part.index}.mlp."
             if part.index < config.first_k_dense_replace:
@@ -189,7 +199,7 @@ class Glm4Moe:
                 continue
             shared, experts, router = fold(part, width * config.n_shared_experts, experts_n)
             largest = float(router.norm(dim=-1).max())
-            scale = SIGMOID_SCORE_BOUND / (part.input_bound * largest) if largest > 0 else 1.0
+            scale = SIGMOID_SCORE_BOUND / (part.input_bound * largest) if largest > 0 and not sigmoid else 1.0
             out.update(mlp_tensors(prefix + "shared_experts.", shared))
             out.update(routed_tensors(prefix, experts, width, router * scale))
             out[prefix + "gate.e_score_correction_bias"] = torch.zeros(experts_n, dtype=torch.float32)

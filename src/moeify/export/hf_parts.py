@@ -12,7 +12,7 @@ export measures the logits to show it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -22,21 +22,23 @@ from moeify.arch import DecoderAdapter
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import NotLinear, Router
+from moeify.runtime.sparse_inputs import ThresholdedLinear
 
-Weighting = Literal["unit", "softmax", "renormalised"]
+Weighting = Literal["unit", "softmax", "renormalised", "sigmoid"]
+APPROXIMATE_HINT = "; --approximate exports its closest form (measured and reported as an approximation)"
 SUPPORTED_ACT = "silu"  # the only MLP activation vLLM's MoE kernels implement for these formats
 
 
 class NotRepresentable(ValueError):
-    """A part of the model that no standard format computes; ``distillable`` when a fitted linear router
-    (``--distill-router``) would make it exportable, approximately. ``where``: the layer, once known."""
+    """A part of the model that no standard format computes; ``approximable`` when ``Approximation`` has a
+    closest form of it (``moeify export --approximate``). ``where``: the layer, once known."""
 
-    def __init__(self, reason: str, distillable: bool = False, where: str = "") -> None:
+    def __init__(self, reason: str, approximable: bool = False, where: str = "") -> None:
         super().__init__(f"{where}: {reason}" if where else reason)
-        self.reason, self.distillable, self.where = reason, distillable, where
+        self.reason, self.approximable, self.where = reason, approximable, where
 
     def at(self, where: str) -> "NotRepresentable":
-        return NotRepresentable(self.reason, self.distillable, where)
+        return NotRepresentable(self.reason, self.approximable, where)
 
 
 def grouped_reasons(errors: list[NotRepresentable]) -> list[str]:
@@ -44,7 +46,7 @@ def grouped_reasons(errors: list[NotRepresentable]) -> list[str]:
     layers: dict[str, list[str]] = {}
     for error in errors:
         layers.setdefault(error.reason, []).append(error.where)
-    return [f"{', '.join(where)}: {reason}" for reason, where in layers.items()]
+    return [f"{', '.join(where)}: {reason}" if any(where) else reason for reason, where in layers.items()]
 
 
 @dataclass(frozen=True)
@@ -85,17 +87,35 @@ class Routing:
 
     ``weighting``: ``"unit"``, every chosen expert weighs 1 (MoRE, CMoE with u = 0); ``"softmax"``, it
     weighs its softmax probability over all experts, not renormalised (Dense2MoE's g_i); ``"renormalised"``,
-    its softmax probability renormalised over the chosen k (qwen2_moe's ``norm_topk_prob``, Mixtral).
+    its softmax probability renormalised over the chosen k (qwen2_moe's ``norm_topk_prob``, Mixtral);
+    ``"sigmoid"``, sigma(score) (DSMoE's gate g_i; glm4_moe without ``norm_topk_prob``).
     ``expert_scale``: a constant factor of every routed expert's weight, folded into the experts' down
     projections (Dense2MoE's E / k; k for distilled unit top-k routers, see ``hf_distill``).
-    ``approximate``: fitted to a non-linear router's decisions (``--distill-router``), not the model's own
-    router."""
+    ``approximate``: not the model's own router but its closest linear top-k one (``--approximate``)."""
 
     weight: Tensor
     top_k: int
     weighting: Weighting
     approximate: bool = False
     expert_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Approximation:
+    """What an export computes in place of what no format does (``moeify export --approximate``, built by
+    ``export.approximate``): ``routings`` replace routers by layer path, ``attention_dims`` give a
+    per-token attention (ToMoE's value/output dimensions) static dimensions by module path, and
+    ``drop_thresholds`` exports thresholded projections (TEAL) as the dense ones they wrap."""
+
+    routings: dict[str, Routing] = field(default_factory=dict)
+    attention_dims: dict[str, Tensor] = field(default_factory=dict)
+    drop_thresholds: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.routings or self.attention_dims or self.drop_thresholds)
+
+
+EXACT = Approximation()
 
 
 @dataclass(frozen=True)
@@ -118,14 +138,14 @@ class LayerParts:
 
 def linear_routing(router: Router) -> Routing:
     """The router's own ``linear_form()`` as a ``Routing`` with its ``expert_scale`` (1 but for Dense2MoE's
-    E / k); or ``NotRepresentable`` saying why the router is not linear (``distillable`` when a fitted
+    E / k); or ``NotRepresentable`` saying why the router is not linear (``approximable`` when a fitted
     linear router would make the model exportable, approximately)."""
     try:
         form = router.linear_form()
     except NotLinear as error:
-        hint = ("; pass --distill-router STEPS to fit a linear router to its decisions on calibration text (an "
-                "approximation, reported as such)") if error.distillable else ""
-        raise NotRepresentable(f"router {router.kind!r} {error.reason}{hint}", distillable=error.distillable) from None
+        hint = APPROXIMATE_HINT if error.approximable else ""
+        raise NotRepresentable(f"router {router.kind!r} {error.reason}{hint}",
+                               approximable=error.approximable) from None
     return Routing(form.weight, form.top_k, form.weighting, expert_scale=float(router.expert_scale))
 
 
@@ -165,12 +185,20 @@ def _moe_parts(module: MoeMLP, routing: Routing | None) -> tuple[GatedMlp | None
     return shared, experts, routing
 
 
-def layer_parts(model: nn.Module, routings: dict[str, Routing] | None = None
+def thresholds_reason(module: nn.Module, approximation: Approximation) -> NotRepresentable | None:
+    """Why ``module``'s thresholded projections (TEAL) are not exported, unless dropped by ``approximation``."""
+    if approximation.drop_thresholds or not any(isinstance(m, ThresholdedLinear) for m in module.modules()):
+        return None
+    return NotRepresentable("zeroes projection inputs below a threshold (activation sparsity); no format or engine "
+                            "computes that" + APPROXIMATE_HINT + " (the dense weights)", approximable=True)
+
+
+def layer_parts(model: nn.Module, approximation: Approximation = EXACT
                 ) -> tuple[list[LayerParts], list[NotRepresentable]]:
     """Every layer as ``LayerParts``, and why (one error per layer that cannot be) it is not possible.
 
-    ``routings`` replaces the routers of the named layers (paths as in the native config), e.g. by
-    distilled ones."""
+    ``approximation`` replaces the routers of the layers it names (paths as in the native config) and may
+    drop input thresholds."""
     adapter = DecoderAdapter(model)
     hidden = model.config.hidden_size
     parts: list[LayerParts] = []
@@ -179,8 +207,10 @@ def layer_parts(model: nn.Module, routings: dict[str, Routing] | None = None
         where = adapter.mlp_path(i)
         try:
             module = adapter.mlp_module(i)
+            if (reason := thresholds_reason(module, approximation)) is not None:
+                raise reason
             if isinstance(module, MoeMLP):
-                shared, experts, routing = _moe_parts(module, (routings or {}).get(where))
+                shared, experts, routing = _moe_parts(module, approximation.routings.get(where))
             else:
                 mlp = adapter.mlp(i)
                 shared, experts, routing = _gated((mlp.gate, mlp.up, mlp.down), "the dense MLP"), (), None
@@ -237,24 +267,34 @@ def _scatter_rows(narrow: Tensor, groups: int, index: Tensor, head_dim: int) -> 
     return full.reshape(groups * head_dim, *narrow.shape[1:])
 
 
-def padded_attention(prefix: str, attn: PrunedAttention) -> dict[str, Tensor]:
+def padded_attention(prefix: str, attn: PrunedAttention, static_dims: Tensor | None = None) -> dict[str, Tensor]:
     """A statically pruned attention's projections at the full head dimension, the pruned dimensions zero:
     zero query/key dimensions add nothing to the scores (RoPE rotates a kept pair into itself; the scaling
     is the dense 1/sqrt(head_dim) already), zero value dimensions add nothing to the output; the same
     function, exactly, in the layout every format reads. Per-token value/output dimensions (ToMoE's
-    router) have no such layout: ``NotRepresentable``."""
-    if attn.router is not None:
-        raise NotRepresentable("attention keeps value/output head dimensions chosen per token (ToMoE); the "
-                               "formats keep them all: convert with attention=off to export")
-    hd, qk, vo = attn.head_dim, attn.qk_index, attn.vo_index
+    router) have no such layout: ``NotRepresentable``, unless ``static_dims`` gives the value/output
+    dimensions every token keeps instead (an approximation, ``export.approximate``)."""
+    hd, qk = attn.head_dim, attn.qk_index
+    if attn.router is not None and static_dims is None:
+        raise NotRepresentable("attention keeps value/output head dimensions chosen per token (ToMoE); the formats "
+                               "keep the same ones for every token" + APPROXIMATE_HINT + " (static dimensions), or "
+                               "convert with attention=off", approximable=True)
+    vo = attn.vo_index if attn.router is None else static_dims
     out = {}
     for name, heads, index in (("q_proj", attn.num_heads, qk), ("k_proj", attn.num_kv_heads, qk),
                                ("v_proj", attn.num_kv_heads, vo)):
         linear = getattr(attn, name)
-        out[f"{prefix}{name}.weight"] = _scatter_rows(linear.weight.detach(), heads, index, hd)
-        if linear.bias is not None:
-            out[f"{prefix}{name}.bias"] = _scatter_rows(linear.bias.detach(), heads, index, hd)
-    out[f"{prefix}o_proj.weight"] = _scatter_rows(attn.o_proj.weight.detach().T, attn.num_heads, vo, hd).T
+        weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        if name == "v_proj" and attn.router is not None:  # full width: keep the static dimensions' rows
+            weight, bias = (None if t is None else t.view(heads, hd, *t.shape[1:])[:, vo].flatten(0, 1)
+                            for t in (weight, bias))
+        out[f"{prefix}{name}.weight"] = _scatter_rows(weight, heads, index, hd)
+        if bias is not None:
+            out[f"{prefix}{name}.bias"] = _scatter_rows(bias, heads, index, hd)
+    o_weight = attn.o_proj.weight.detach().T
+    if attn.router is not None:
+        o_weight = o_weight.view(attn.num_heads, hd, -1)[:, vo].flatten(0, 1)
+    out[f"{prefix}o_proj.weight"] = _scatter_rows(o_weight, attn.num_heads, vo, hd).T
     if attn.o_proj.bias is not None:
         out[f"{prefix}o_proj.bias"] = attn.o_proj.bias.detach()
     return out

@@ -6,9 +6,10 @@ Every router follows the ``Router`` protocol (no shared base class): ``kind`` (i
 Dispatch``, ``expected_experts()`` (routed experts per token under its nominal assumption, or None),
 ``set_option(name, value)`` for runtime options, ``spec()`` (constructor arguments, rebuilt by
 ``moe.build_moe_mlp``) and ``linear_form()``: the router as a linear top-k router ``x @ W.T`` that a
-standard MoE format computes, or ``NotLinear`` saying why it is not one. A ``Dispatch`` is a flat list
-of (token, expert, weight) triples sorted by expert, plus per-expert counts from ``torch.bincount``
-(which, unlike ``histc``, works for integers on CPU).
+standard MoE format computes, or ``NotLinear`` saying why it is not one. A router whose expert count
+varies per token may offer ``fixed_k_form(k)``, its closest linear top-k router (export's approximation).
+A ``Dispatch`` is a flat list of (token, expert, weight) triples sorted by expert, plus per-expert counts
+from ``torch.bincount`` (which, unlike ``histc``, works for integers on CPU).
 """
 
 from __future__ import annotations
@@ -58,20 +59,23 @@ class Dispatch:
 @dataclass(frozen=True)
 class LinearForm:
     """A router as standard MoE formats compute it: scores ``x @ weight.T`` (weight: (experts, d), float64),
-    the ``top_k`` best experts, each weighing 1 (``"unit"``) or its softmax probability (``"softmax"``)."""
+    the ``top_k`` best experts, each weighing 1 (``"unit"``), its softmax probability (``"softmax"``) or
+    the sigmoid of its score (``"sigmoid"``), times ``expert_scale`` when the form sets it (else the
+    router's own)."""
 
     weight: Tensor
     top_k: int
-    weighting: Literal["unit", "softmax"]
+    weighting: Literal["unit", "softmax", "sigmoid"]
+    expert_scale: float | None = None
 
 
 class NotLinear(ValueError):
-    """A router that no linear top-k router reproduces; ``distillable`` when a linear router fitted to its
-    decisions would (an approximation: ``moeify export --distill-router``)."""
+    """A router that no linear top-k router reproduces; ``approximable`` when a linear top-k router close to
+    it exists (fitted to its decisions, or its own scores at a fixed k: ``moeify export --approximate``)."""
 
-    def __init__(self, reason: str, distillable: bool = False) -> None:
+    def __init__(self, reason: str, approximable: bool = False) -> None:
         super().__init__(reason)
-        self.reason, self.distillable = reason, distillable
+        self.reason, self.approximable = reason, approximable
 
 
 class Router(Protocol):
@@ -145,7 +149,7 @@ class RepresentativeRouter(nn.Module):
 
     def linear_form(self) -> LinearForm:
         raise NotLinear("is not linear in x (its scores are the SwiGLU hidden values of representative neurons), "
-                        "and standard formats only compute linear scores x @ W.T", distillable=True)
+                        "and standard formats only compute linear scores x @ W.T", approximable=True)
 
     def forward(self, x: Tensor) -> Dispatch:
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
@@ -261,7 +265,13 @@ class ThresholdRouter(nn.Module):
 
     def linear_form(self) -> LinearForm:
         raise NotLinear("chooses a token-dependent set of experts (the gates above tau) that no linear top-k router "
-                        "of a standard format reproduces")
+                        "of a standard format reproduces", approximable=True)
+
+    def fixed_k_form(self, k: int) -> LinearForm:
+        """The closest linear top-k router at a fixed k (export's approximation): the top-k gates are the
+        top-k scores x Y, each weighing g_i gate_scale n / k (Eq. 7-8 with |A| = k)."""
+        return LinearForm(self.proj.weight.detach().double(), k, "sigmoid",
+                          expert_scale=self.gate_scale * self.num_experts / k)
 
     def gates(self, x: Tensor) -> Tensor:
         """g = sigma(x Y): (tokens, experts), in float32; Eq. 7."""
