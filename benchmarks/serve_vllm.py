@@ -10,11 +10,11 @@ For each method: convert SmolLM2 (the GGUF in ../shared/assets, float32; calibra
 WikiText-2 valid at small budgets: what is checked here is the export, not the conversion's quality),
 export it to the format that represents it (``EXPORTS``: exactly, or ``--approximate``: routers distilled
 to linear ones, per-token parts made static), then decode greedily ``--new-tokens`` tokens for 8 prompts
-(the first 32 tokens of 8 WikiText-2 test paragraphs) in vLLM (float32, eager) and with moeify's native model, and compare the tokens
-(``moeify.evaluation.serving``). An exact export must give identical tokens; an approximate one is a
-different model, so beside its token agreement stand its parts' agreement and perplexity change on
-held-out text (from its export record), and the served tokens are also compared with the export's own
-in transformers. The dense model, served and run by transformers, is the first
+(the first 32 tokens of 8 WikiText-2 test paragraphs) in vLLM (float32, eager) and with moeify's native
+model, and compare the tokens (``moeify.evaluation.serving``). An exact export must give identical
+tokens; an approximate one is a different model, so beside its token agreement stand its parts'
+agreement and perplexity change on held-out text (from its export record), and the served tokens are
+also compared with the export's own in transformers. The dense model, served and run by transformers, is the first
 row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints
 the table from it.
 

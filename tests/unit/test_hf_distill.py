@@ -101,5 +101,6 @@ def test_a_top2_cmoe_exports_as_qwen2_moe_with_renormalised_weights(stories, tok
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["num_experts_per_tok"] == 2 and config["norm_topk_prob"] is True
     fitted = record["approximation"]["parts"]["fitted_routers"]
-    assert all(layer["top_k"] == 2 and 0 < layer["max_weight_dev_from_1"] < 2 * SCORE_SPAN for layer in fitted["layers"])
+    assert all(layer["top_k"] == 2 and 0 < layer["max_weight_dev_from_1"] < 2 * SCORE_SPAN
+               for layer in fitted["layers"])
     assert 1 / 21 < fitted["held_out_agreement"]  # beats chance: C(7, 2) = 21 sets
