@@ -29,7 +29,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_vllm import EXPORTS, SPEED_PROMPT_TOKENS, dense_folder, speed_prompts  # noqa: E402
+from serve_vllm import EXPORTS, SPEED_PROMPT_TOKENS, dense_folder, latest_rows, speed_prompts  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "profile_vllm.jsonl"
 NEW_TOKENS = 64
@@ -111,16 +111,14 @@ def kernel_rows(hidden: int, width: int) -> list[dict[str, Any]]:
 
 
 def markdown(path: Path) -> str:
-    latest: dict[str, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        latest[row["row"]] = row
+    """The profile table and the kernel table of ``path``'s latest rows."""
+    latest = latest_rows(path)
     lines = ["| row | wall s | MoE kernel s | dense GEMMs s | attention s | other s |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['row']} | {r['wall_seconds']:.2f} | {r['moe_kernel']:.2f} | {r['dense_gemm']:.2f} | "
-              f"{r['attention']:.2f} | {r['other']:.2f} |" for r in latest.values() if "wall_seconds" in r]
+              f"{r['attention']:.2f} | {r['other']:.2f} |" for r in latest if "wall_seconds" in r]
     lines += ["", "| kernel (ISA) | ms | x dense MLP |", "|---|---|---|"]
     lines += [f"| {r['row'].removeprefix('kernel: ')} ({r['isa']}) | {r['ms']:.3f} | {r['x_dense_mlp']:.2f} |"
-              for r in latest.values() if "isa" in r]
+              for r in latest if "isa" in r]
     return "\n".join(lines)
 
 

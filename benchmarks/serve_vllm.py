@@ -147,13 +147,18 @@ def check(name: str, native: Path, served: Path, ids: list[list[int]], new_token
     return row
 
 
-def markdown(path: Path) -> str:
-    """The table of ``path``'s rows, the latest measurement of each row name, in first-seen order."""
+def latest_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON rows of ``path``, the latest measurement of each row name, in first-seen order."""
     latest: dict[str, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
         latest[row["row"]] = row
-    rows = list(latest.values())
+    return list(latest.values())
+
+
+def markdown(path: Path) -> str:
+    """The table of ``path``'s rows (``latest_rows``)."""
+    rows = latest_rows(path)
     if rows and "tokens_per_s" in rows[0]:
         lines = ["| row | tokens/s (prompt + generated) | x dense | FLOP-ideal x dense |", "|---|---|---|---|"]
         for r in rows:
