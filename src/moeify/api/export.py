@@ -1,5 +1,5 @@
-"""``moeify export`` as a library function: load a converted folder, (optionally) distill its routers,
-build the standard-format model, measure it, write it. Returns the record; prints nothing."""
+"""``moeify export`` as a library function: load a converted folder, (optionally) approximate what
+no format computes, build the standard-format model, measure it, write it. Returns the record; prints nothing."""
 
 from __future__ import annotations
 

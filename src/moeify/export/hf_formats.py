@@ -113,8 +113,8 @@ def routing_reasons(parts: list[LayerParts], softmax_ok: bool, renormalised_ok: 
     (weighting, top_k), = kinds
     if weighting == "unit" and top_k != 1:
         return [f"{top_k} experts per token each with weight 1: the formats' weights are router scores "
-                "(renormalised or not), exactly 1 only for top-1; --distill-router fits routers whose "
-                "renormalised weights are 1 within 1e-3 (qwen2_moe, granitemoeshared)"]
+                "(renormalised or not), exactly 1 only for top-1; for a non-linear router (CMoE) --approximate "
+                "fits routers whose renormalised weights are 1 within 1e-3 (qwen2_moe, granitemoeshared)"]
     if weighting == "softmax" and not softmax_ok:
         return ["softmax-probability expert weights (not renormalised) are qwen2_moe's norm_topk_prob=False only"]
     if weighting == "renormalised" and not renormalised_ok:
