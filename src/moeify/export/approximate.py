@@ -23,16 +23,17 @@ earlier layers); the caller measures the perplexity of source and export on held
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from moeify.calibration.data import TextSource, token_stream
+from moeify.calibration.hooks import observing
 from moeify.export.hf_distill import distill_routers
 from moeify.export.hf_parts import Approximation, NotRepresentable, Routing, linear_routing
+from moeify.moe.accounting import tracking_routing
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.sparse_inputs import ThresholdedLinear
@@ -46,28 +47,11 @@ def windows(source: TextSource, tokenizer: Any, seq_len: int, max_tokens: int = 
     return [w for w in stream.split(seq_len) if len(w) >= 2]
 
 
-@contextmanager
-def _observing(observers: dict[nn.Module, Callable[[Tensor, Any], None]]) -> Iterator[None]:
-    """``observers[module](input, output)`` on every forward of each module (what it returns is dropped: a
-    forward hook's return value would replace the output)."""
-    def hook(observe: Callable[[Tensor, Any], None]) -> Callable[..., None]:
-        def call(_module: nn.Module, args: tuple, out: Any) -> None:
-            observe(args[0].detach(), out)
-        return call
-
-    handles = [module.register_forward_hook(hook(observe)) for module, observe in observers.items()]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @torch.no_grad()
 def _run(model: PreTrainedModel, windows_: list[Tensor], observers: dict[nn.Module, Callable[[Tensor, Any], None]]
          ) -> None:
     device = next(model.parameters()).device
-    with _observing(observers):
+    with observing(observers):
         for window in windows_:
             model(input_ids=window[None].to(device), use_cache=False)
 
@@ -132,14 +116,8 @@ def static_attention_dims(attentions: dict[str, PrunedAttention], model: PreTrai
 
 def kept_inputs(projections: list[ThresholdedLinear], model: PreTrainedModel, held_out: list[Tensor]) -> float:
     """The share of thresholded projections' inputs that the thresholds keep on ``held_out``."""
-    for module in projections:
-        module.reset_stats()
-        module.track_stats = True
-    try:
+    with tracking_routing(model):
         _run(model, held_out, {})
-    finally:
-        for module in projections:
-            module.track_stats = False
     return sum(m.stats_kept for m in projections) / max(1, sum(m.stats_inputs for m in projections))
 
 
