@@ -11,8 +11,9 @@ largest phase plus what the process itself holds (Python, torch, transformers: m
   window's hidden states twice (a layer's inputs and outputs), and the method's per-layer statistics
   (``Method.memory``: e.g. CMoE's (tokens x d_ff) activations and markers, MoRE's co-activation
   matrix and its spectral decomposition).
-- ``train`` (methods that train): gradients and AdamW's two moments of what is trained, in the working
-  dtype, the activations a step keeps (with recomputation: every decoder layer's input plus one layer's
+- ``train`` (methods that train): gradients and AdamW's two moments of what is trained, in float32 (a
+  bfloat16/float16 model trains float32 master copies of those parameters: ``training.precision``), the
+  activations a step keeps (with recomputation: every decoder layer's input plus one layer's
   working set) and a chunk of logits.
 - ``evaluate MoE``: as the dense pass, plus the packed copy of the routed experts an MoE layer holds at
   inference (``runtime.moe``: at most the converted layers' MLP weights).
@@ -172,9 +173,10 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
         tokens = method.train_tokens
         per_layer = _layer_activations(shape, tokens, b) + tokens * method.extra_train_activations
         kept = shape.layers * tokens * shape.hidden * b + per_layer if method.recompute else shape.layers * per_layer
+        trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
         phases["train"] = {"weights": weights, "converted weights": written,
-                           "trained copy": method.trainable * b if mapped else 0, "gradients": method.trainable * b,
-                           "optimizer": 2 * method.trainable * b, "activations": kept,
+                           "trained copy": trained if mapped or b < 4 else 0, "gradients": trained,
+                           "optimizer": 2 * trained, "activations": kept,
                            "logits": _logits(shape, tokens, b)}
     phases["evaluate MoE"] = {**evaluation, "converted weights": written,
                               "packed experts": shape.mlp_params * b if inference_copy else 0}

@@ -15,9 +15,12 @@ STREAM = torch.randint(3, 128, (2000,), generator=torch.Generator().manual_seed(
 FINGERPRINT = {"method": "test", "lr": 1e-3}
 
 
-def run(steps, *, grad_accum=1, folder=None, resume=False, kill_at=None, fingerprint=FINGERPRINT, every=2):
-    """Train a fresh tiny model; ``kill_at`` raises inside that step, after its optimizer update."""
-    model = tiny_model("llama")
+def run(steps, *, grad_accum=1, folder=None, resume=False, kill_at=None, fingerprint=FINGERPRINT, every=2,
+        dtype=torch.float32, seen_dtypes=None):
+    """Train a fresh tiny model (its weights rounded to bfloat16, so every dtype starts from the same ones)
+    held in ``dtype``; ``kill_at`` raises inside that step, after its optimizer update; ``seen_dtypes``
+    collects the parameters' dtype after each step."""
+    model = tiny_model("llama").to(torch.bfloat16).to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = TrainPlan(steps=steps, batch_size=4, seq_len=16, grad_accum=grad_accum, checkpoint_every=every)
     checkpointing = None if folder is None else Checkpointing(folder, fingerprint, resume=resume)
@@ -25,6 +28,8 @@ def run(steps, *, grad_accum=1, folder=None, resume=False, kill_at=None, fingerp
 
     def after_step():
         done.append(1)
+        if seen_dtypes is not None:
+            seen_dtypes.update(p.dtype for p in model.parameters())
         if len(done) == kill_at:
             raise KeyboardInterrupt("killed")
 
@@ -61,6 +66,40 @@ def test_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert_same_weights(resumed, reference)
     assert log.losses == reference_log.losses  # the log of the steps before the kill came back too
     assert latest_step(tmp_path / "b") == 6
+
+
+def drift(model, reference, start):
+    """How far ``model``'s weights are from ``reference``'s, relative to how far ``reference`` moved from
+    ``start`` (sums of absolute differences over every parameter)."""
+    params = [(a.detach(), b.detach(), s.detach()) for a, b, s in zip(model.parameters(), reference.parameters(),
+                                                                         start.parameters())]
+    off = sum(float((a.float() - b.float()).abs().sum()) for a, b, _ in params)
+    moved = sum(float((b.float() - s.float()).abs().sum()) for _, b, s in params)
+    return off / moved
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.bfloat16, 0.08), (torch.float16, 0.02)])
+def test_a_low_precision_model_trains_with_float32_masters_and_follows_its_float32_twin(dtype, bound):
+    """Updated in place in bfloat16, the weights drift 0.12 of their movement from the float32 run's, and
+    float16 overflows to NaN; float32 masters, autocast (and float16's loss scaling) keep them close."""
+    reference, reference_log = run(8)
+    seen = set()
+    model, log = run(8, dtype=dtype, seen_dtypes=seen)
+    assert seen == {torch.float32}  # master weights while training
+    assert {p.dtype for p in model.parameters()} == {dtype}  # the working dtype again after it
+    assert drift(model, reference, tiny_model("llama").to(torch.bfloat16)) < bound
+    assert log.losses == pytest.approx(reference_log.losses, rel=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_run_resumes_exactly_from_its_float32_masters(tmp_path, dtype):
+    reference, _ = run(6, folder=tmp_path / "a", dtype=dtype)
+    with pytest.raises(KeyboardInterrupt):
+        run(6, folder=tmp_path / "b", kill_at=5, dtype=dtype)
+    state = json.loads((tmp_path / "b" / "step-00000004" / "state.json").read_text())
+    assert ("scale" in state["grad_scaler"]) == (dtype == torch.float16)
+    resumed, _ = run(6, folder=tmp_path / "b", resume=True, dtype=dtype)
+    assert_same_weights(resumed, reference)
 
 
 def test_more_steps_after_a_finished_run_continue_it(tmp_path):

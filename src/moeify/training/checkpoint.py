@@ -8,7 +8,7 @@ A checkpoint is a folder ``step-00000120/`` inside the run's checkpoint folder, 
   ``"<param index>/<name>"``;
 - ``rng.safetensors``: the state of the data generator and of torch's global CPU (and CUDA) generators;
 - ``state.json``: the step, the loss log so far, the optimizer's ``param_groups`` and non-tensor state,
-  and the run's fingerprint (the options that must match for a resume to continue the same run).
+  the float16 loss scaler's state (``precision.py``), and the run's fingerprint (the options that must match for a resume to continue the same run).
 
 No pickle is involved (``torch.save`` of an optimizer state dict would be one). The folder is written
 under a temporary name and renamed into place when complete (``atomic_dir``), so a process killed while
@@ -40,6 +40,7 @@ class Resumed:
 
     step: int
     log: dict[str, Any]
+    scaler: dict[str, Any]
 
 
 def _step_dirs(folder: Path) -> list[Path]:
@@ -83,8 +84,10 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> d
 
 
 def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    generator: torch.Generator, log: dict[str, Any], fingerprint: dict[str, Any]) -> Path:
-    """Write the checkpoint of ``step`` atomically and remove the older ones."""
+                    generator: torch.Generator, log: dict[str, Any], fingerprint: dict[str, Any],
+                    scaler: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of ``step`` atomically and remove the older ones; ``scaler``: the loss
+    scaler's state, if any."""
     folder = Path(folder)
     target = folder / f"{_PREFIX}{step:08d}"
     optimizer_tensors, optimizer_rest = _split_optimizer(optimizer)
@@ -93,7 +96,7 @@ def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.
         save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"))
         save_file(_rng_tensors(generator), str(tmp / "rng.safetensors"))
         state = {"format_version": FORMAT_VERSION, "step": step, "log": log, "optimizer": optimizer_rest,
-                 "fingerprint": fingerprint}
+                 "grad_scaler": scaler or {}, "fingerprint": fingerprint}
         (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
     for old in _step_dirs(folder):
         if old != target:
@@ -124,4 +127,4 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     cuda = [rng[f"torch_cuda_{i}"] for i in range(sum(k.startswith("torch_cuda_") for k in rng))]
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
-    return Resumed(step=state["step"], log=state["log"])
+    return Resumed(step=state["step"], log=state["log"], scaler=state.get("grad_scaler", {}))

@@ -11,6 +11,9 @@ draws (``noise.py``: each window's own, whatever process or micro-batch holds it
 ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
 the total to minimise under ``"loss"`` and any parts to log).
 
+A model held in bfloat16 or float16 trains with float32 master weights under autocast (``precision.py``):
+the optimizer updates float32 copies of what it trains, which return to the working dtype at the end.
+
 Deterministic: the windows come from one ``torch.Generator`` seeded with ``seed``. With a
 ``Checkpointing``, a checkpoint (model, optimizer, generator and RNG states, the log so far; see
 ``checkpoint.py``) is written every ``checkpoint_every`` steps and after the last one; ``resume=True``
@@ -39,6 +42,7 @@ from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkp
 from moeify.training.distributed import all_reduce_gradients_, all_reduce_sum_, barrier, is_main, rank, world_size
 from moeify.training.losses import lm_loss
 from moeify.training.noise import step_noise
+from moeify.training.precision import Precision, mixed_precision
 from moeify.training.recompute import recomputed_layers
 
 LossFn = Callable[[nn.Module, Tensor], dict[str, Tensor]]
@@ -165,7 +169,7 @@ def epoch_windows(stream: Tensor, seq_len: int, samples: int, seed: int) -> Tens
     return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()]).long()
 
 
-def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, precision: Precision,
            checkpointing: Checkpointing | None, steps: int) -> tuple[int, TrainLog]:
     """(first step to run, log so far): 0 and an empty log, or what the latest checkpoint holds."""
     if checkpointing is None:
@@ -177,6 +181,7 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
                                   "with resume=true, or delete the folder to start again")
         return 0, TrainLog()
     resumed = load_checkpoint(checkpointing.folder, model, optimizer, generator, checkpointing.fingerprint)
+    precision.load_state(resumed.scaler)
     if resumed.step > steps:
         raise ValueError(f"the checkpoint is at step {resumed.step}, beyond steps={steps}")
     log = TrainLog(resumed.log["losses"], resumed.log["parts"], resumed_from=resumed.step)
@@ -184,7 +189,7 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
 
 
 def _gradients(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor, grad_accum: int,
-               loss_fn: LossFn, device: torch.device, seed: int, step: int) -> dict[str, float]:
+               loss_fn: LossFn, precision: Precision, seed: int, step: int) -> dict[str, float]:
     """One step's gradients: this process's share of ``batch``, in ``grad_accum`` micro-batches, each loss
     weighted by its share of the whole batch's windows, then summed over the processes; returns the loss
     parts (of the whole batch). Noise drawn in a micro-batch is its windows' own (``noise.py``)."""
@@ -194,8 +199,9 @@ def _gradients(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor
     for windows in (w for w in rows.tensor_split(grad_accum) if len(w)):
         weight = len(windows) / len(batch)
         with step_noise(seed, step, windows.tolist()):
-            parts = loss_fn(model, batch[windows].to(device))
-            (parts["loss"] * weight).backward()
+            with precision.autocast():
+                parts = loss_fn(model, batch[windows].to(precision.device))
+            precision.backward(parts["loss"] * weight)
         for name, value in parts.items():
             sums[name] = sums.get(name, 0.0) + float(value.detach()) * weight
     all_reduce_gradients_(model)
@@ -227,13 +233,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     fix_mmap_threshold()  # freed activations go back to the system instead of fragmenting the heap
     _check_shares(plan)
     generator = torch.Generator().manual_seed(seed)
-    start, log = _start(model, optimizer, generator, checkpointing, plan.steps)
-    log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed) if plan.epoch_samples else None
-    began = time.perf_counter()
     model.train()
     try:
-        with recomputed_layers(model if network is None else network, plan.recompute):
+        with (mixed_precision(model if network is None else network, optimizer, device) as precision,
+              recomputed_layers(model if network is None else network, plan.recompute)):
+            start, log = _start(model, optimizer, generator, precision, checkpointing, plan.steps)
+            log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+            windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed) if plan.epoch_samples else None
+            began = time.perf_counter()
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
                        disable=not progress or not is_main())
             for step in bar:
@@ -241,10 +248,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                     batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
                 else:
                     batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
-                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, device, seed, step)
+                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, precision, seed, step)
                 if plan.schedule is not None:
                     scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
-                optimizer.step()
+                precision.step(optimizer)
                 if after_step is not None:
                     after_step()
                 log.append(sums)
@@ -254,9 +261,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                                                   (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
                     if is_main():  # every process holds the same state: one writes it
                         save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
-                                        checkpointing.fingerprint)
+                                        checkpointing.fingerprint, precision.state())
                     barrier()
+            log.seconds = time.perf_counter() - began
     finally:
         model.eval()
-        log.seconds = time.perf_counter() - began
     return log

@@ -1,0 +1,89 @@
+"""Mixed-precision training: a model held in bfloat16 or float16 trains with float32 master weights.
+
+An AdamW update moves a weight by about lr times its own scale; at lr 1e-4 that is far below bfloat16's
+resolution (2^-8, 0.4 % relative), so applied to bfloat16 weights most updates round away and a bfloat16
+run drifts from its float32 twin. So, as torch's automatic mixed precision does:
+
+- the parameters the optimizer updates are held in float32 while training (frozen ones stay in the
+  working dtype) and cast back when training ends, so a bfloat16 conversion still saves bfloat16;
+- the forward passes run under ``torch.autocast`` in the working dtype: matrix products in it on the
+  rounded float32 weights, reductions and the losses in float32 (the backward follows the forward's dtypes);
+- float16 (smallest normal 6e-5): the gradient of a mean over thousands of tokens underflows, so the loss
+  is scaled (``torch.amp.GradScaler``: a dynamic scale; a step whose gradients hold inf/NaN is skipped and
+  the scale halved). bfloat16 has float32's range and needs no scaling.
+
+A checkpoint written while training holds the float32 master weights (they are the model's parameters
+then) and the scaler's state, so a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def working_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype that holds most of ``model``'s floating-point parameters."""
+    counts: Counter[torch.dtype] = Counter()
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+@dataclass
+class Precision:
+    """How a training step computes: the autocast dtype (``float32``: no autocast) and the loss scaler
+    (float16 only)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    scaler: torch.amp.GradScaler | None = None
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def backward(self, loss: Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step on the unscaled gradients (skipped by the scaler when they overflowed)."""
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+    def state(self) -> dict[str, Any]:
+        """The scaler's state for a checkpoint (JSON: floats and ints); empty without one."""
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+@contextmanager
+def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer,
+                    device: torch.device) -> Iterator[Precision]:
+    """Inside the block the optimizer's low-precision parameters are float32 masters and the returned
+    ``Precision`` computes in ``network``'s working dtype; on leaving, they return to their dtypes."""
+    dtype = working_dtype(network)
+    masters = [p for group in optimizer.param_groups for p in group["params"]
+               if p.is_floating_point() and p.dtype != torch.float32]
+    original = [p.dtype for p in masters]
+    for p in masters:  # the same Parameter objects, so the optimizer's references stay valid
+        p.data = p.data.float()
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    try:
+        yield Precision(dtype, device, scaler)
+    finally:
+        for p, kind in zip(masters, original):
+            p.data = p.data.to(kind)
+            p.grad = None
