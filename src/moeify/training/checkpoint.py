@@ -8,7 +8,8 @@ A checkpoint is a folder ``step-00000120/`` inside the run's checkpoint folder, 
   ``"<param index>/<name>"``;
 - ``rng.safetensors``: the state of the data generator and of torch's global CPU (and CUDA) generators;
 - ``state.json``: the step, the loss log so far, the optimizer's ``param_groups`` and non-tensor state,
-  the float16 loss scaler's state (``precision.py``), and the run's fingerprint (the options that must match for a resume to continue the same run).
+  the float16 loss scaler's state (``precision.py``), and the run's fingerprint (the options that must
+  match for a resume to continue the same run).
 
 No pickle is involved (``torch.save`` of an optimizer state dict would be one). The folder is written
 under a temporary name and renamed into place when complete (``atomic_dir``), so a process killed while
