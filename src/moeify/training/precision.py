@@ -6,11 +6,16 @@ run drifts from its float32 twin. So, as torch's automatic mixed precision does:
 
 - the parameters the optimizer updates are held in float32 while training (frozen ones stay in the
   working dtype) and cast back when training ends, so a bfloat16 conversion still saves bfloat16;
-- the forward passes run under ``torch.autocast`` in the working dtype: matrix products in it on the
-  rounded float32 weights, reductions and the losses in float32 (the backward follows the forward's dtypes);
-- float16 (smallest normal 6e-5): the gradient of a mean over thousands of tokens underflows, so the loss
-  is scaled (``torch.amp.GradScaler``: a dynamic scale; a step whose gradients hold inf/NaN is skipped and
-  the scale halved). bfloat16 has float32's range and needs no scaling.
+- when weights stay frozen in the working dtype (ToMoE's model, a LoRA fine-tune's base), the forward
+  passes run under ``torch.autocast`` in it: matrix products in it on the rounded float32 weights,
+  reductions and the losses in float32 (the backward follows the forward's dtypes);
+- when every parameter is trained (DSMoE, Dense2MoE), the masters make the whole model float32 already,
+  and it computes in float32: autocast would save activation memory and GPU time but its rounded
+  gradients move the result (Dense2MoE on SmolLM2, 10 steps: 3.6 % perplexity from the float32 run under
+  bfloat16 autocast, 0.4 % in float32 arithmetic: ``benchmarks/bench_bf16.py``);
+- float16 (smallest normal 6e-5) under autocast: the gradient of a mean over thousands of tokens
+  underflows, so the loss is scaled (``torch.amp.GradScaler``: a dynamic scale; a step whose gradients
+  hold inf/NaN is skipped and the scale halved). bfloat16 has float32's range and needs no scaling.
 
 A checkpoint written while training holds the float32 master weights (they are the model's parameters
 then) and the scaler's state, so a resumed run continues exactly where it stopped.
@@ -28,11 +33,11 @@ import torch
 from torch import Tensor, nn
 
 
-def working_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype that holds most of ``model``'s floating-point parameters."""
+def low_precision_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype that holds most of ``model``'s parameters below float32 (float32 when none is)."""
     counts: Counter[torch.dtype] = Counter()
     for p in model.parameters():
-        if p.is_floating_point():
+        if p.is_floating_point() and p.dtype != torch.float32:
             counts[p.dtype] += p.numel()
     return counts.most_common(1)[0][0] if counts else torch.float32
 
@@ -73,13 +78,14 @@ class Precision:
 def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer,
                     device: torch.device) -> Iterator[Precision]:
     """Inside the block the optimizer's low-precision parameters are float32 masters and the returned
-    ``Precision`` computes in ``network``'s working dtype; on leaving, they return to their dtypes."""
-    dtype = working_dtype(network)
+    ``Precision`` computes in ``network``'s working dtype, or in float32 when no low-precision parameter
+    is left; on leaving, the masters return to their dtypes."""
     masters = [p for group in optimizer.param_groups for p in group["params"]
                if p.is_floating_point() and p.dtype != torch.float32]
     original = [p.dtype for p in masters]
     for p in masters:  # the same Parameter objects, so the optimizer's references stay valid
         p.data = p.data.float()
+    dtype = low_precision_dtype(network)  # float32 when every parameter became a master
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     try:
         yield Precision(dtype, device, scaler)
