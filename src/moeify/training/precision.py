@@ -12,7 +12,7 @@ run drifts from its float32 twin. So, as torch's automatic mixed precision does:
 - when every parameter is trained (DSMoE, Dense2MoE), the masters make the whole model float32 already,
   and it computes in float32: autocast would save activation memory and GPU time but its rounded
   gradients move the result (Dense2MoE on SmolLM2, 10 steps: 3.6 % perplexity from the float32 run under
-  bfloat16 autocast, 0.4 % in float32 arithmetic: ``benchmarks/bench_bf16.py``);
+  bfloat16 autocast, 0.06 % in float32 arithmetic: ``benchmarks/bench_bf16.py``);
 - float16 (smallest normal 6e-5) under autocast: the gradient of a mean over thousands of tokens
   underflows, so the loss is scaled (``torch.amp.GradScaler``: a dynamic scale; a step whose gradients
   hold inf/NaN is skipped and the scale halved). bfloat16 has float32's range and needs no scaling.
