@@ -11,8 +11,9 @@ draws (``noise.py``: each window's own, whatever process or micro-batch holds it
 ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
 the total to minimise under ``"loss"`` and any parts to log).
 
-A model held in bfloat16 or float16 trains with float32 master weights under autocast (``precision.py``):
-the optimizer updates float32 copies of what it trains, which return to the working dtype at the end.
+A model held in bfloat16 or float16 trains float32 master weights (``precision.py``): the optimizer updates
+float32 copies of what it trains, which return to the working dtype at the end; the forward runs under
+autocast where low-precision weights stay frozen, in float32 where every weight trains.
 
 Deterministic: the windows come from one ``torch.Generator`` seeded with ``seed``. With a
 ``Checkpointing``, a checkpoint (model, optimizer, generator and RNG states, the log so far; see
@@ -233,10 +234,11 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     fix_mmap_threshold()  # freed activations go back to the system instead of fragmenting the heap
     _check_shares(plan)
     generator = torch.Generator().manual_seed(seed)
+    network = model if network is None else network
     model.train()
     try:
-        with (mixed_precision(model if network is None else network, optimizer, device) as precision,
-              recomputed_layers(model if network is None else network, plan.recompute)):
+        with (mixed_precision(network, optimizer, device) as precision,
+              recomputed_layers(network, plan.recompute)):
             start, log = _start(model, optimizer, generator, precision, checkpointing, plan.steps)
             log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
             windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed) if plan.epoch_samples else None
