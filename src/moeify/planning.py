@@ -14,7 +14,8 @@ largest phase plus what the process itself holds (Python, torch, transformers: m
 - ``train`` (methods that train): gradients and AdamW's two moments of what is trained, in float32 (a
   bfloat16/float16 model trains float32 master copies of those parameters: ``training.precision``), the
   activations a step keeps (with recomputation: every decoder layer's input plus one layer's
-  working set) and a chunk of logits.
+  working set) and a chunk of logits; in float32 when every parameter trains (the model computes in
+  float32 then), else in the working dtype.
 - ``evaluate MoE``: as the dense pass, plus the packed copy of the routed experts an MoE layer holds at
   inference (``runtime.moe``: at most the converted layers' MLP weights).
 
@@ -171,13 +172,15 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
                              "layer statistics": method.layer_statistics}
     if method.train_tokens:
         tokens = method.train_tokens
-        per_layer = _layer_activations(shape, tokens, b) + tokens * method.extra_train_activations
-        kept = shape.layers * tokens * shape.hidden * b + per_layer if method.recompute else shape.layers * per_layer
+        # A model whose every parameter trains computes in float32 (``training.precision``), else in its dtype.
+        ab = 4 if method.trainable >= shape.params else b
+        per_layer = _layer_activations(shape, tokens, ab) + tokens * method.extra_train_activations
+        kept = shape.layers * tokens * shape.hidden * ab + per_layer if method.recompute else shape.layers * per_layer
         trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
         phases["train"] = {"weights": weights, "converted weights": written,
                            "trained copy": trained if mapped or b < 4 else 0, "gradients": trained,
                            "optimizer": 2 * trained, "activations": kept,
-                           "logits": _logits(shape, tokens, b)}
+                           "logits": _logits(shape, tokens, ab)}
     phases["evaluate MoE"] = {**evaluation, "converted weights": written,
                               "packed experts": shape.mlp_params * b if inference_copy else 0}
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,

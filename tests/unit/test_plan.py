@@ -36,6 +36,11 @@ def test_every_method_plans_its_phases_from_its_options():
     train = dsmoe.phases["train"]  # bfloat16 weights, float32 masters, gradients and AdamW moments
     assert dsmoe.peak_phase == "train" and train["optimizer"] == 4 * train["weights"] == 2 * train["trained copy"]
     assert tomoe.phases["train"]["gradients"] < 0.05 * tomoe.phases["train"]["weights"]  # weights frozen
+    # every weight trains: float32 arithmetic, so activations as in a float32 model; ToMoE's autocast: bf16
+    for method, ratio in (("dsmoe", 1), ("tomoe", 2)):
+        float32 = plan("llama-2-7b", method, dtype="float32").phases["train"]
+        bf16 = plan("llama-2-7b", method).phases["train"]
+        assert float32["activations"] == pytest.approx(ratio * bf16["activations"], rel=0.1)
     assert tomoe.phases["evaluate MoE"]["packed experts"] == 0  # experts stored once
     assert plan("llama-2-7b", "dsmoe", {"recompute": "false"}).phases["train"]["activations"] > \
         10 * dsmoe.phases["train"]["activations"]
