@@ -20,6 +20,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 import moeify
 from moeify.api import export_folder
@@ -155,6 +156,12 @@ def test_exported_folders_hold_the_standard_layout(exported):
     assert glm4["num_experts_per_tok"] == 1 and glm4["norm_topk_prob"] and glm4["routed_scaling_factor"] == 1.0
     qwen2 = json.loads((exported["qwen2_moe"][1] / "config.json").read_text())
     assert qwen2["mlp_only_layers"] == [0] and qwen2["norm_topk_prob"] and qwen2["qkv_bias"]
+
+
+def test_the_recorded_parameter_count_is_the_loaded_exports(exports):
+    for (name, fmt), (record, path) in exports.items():  # a tied head counted once, as transformers loads it
+        loaded = AutoModelForCausalLM.from_pretrained(path)
+        assert record["params"]["export"] == sum(p.numel() for p in loaded.parameters()), (name, fmt)
 
 
 def test_cli_check_and_export(native, tmp_path, capsys):

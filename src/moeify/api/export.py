@@ -50,9 +50,8 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
     check_output_dir(out, overwrite)
     calib_source, eval_source = read_text(calib or EMBEDDED_CALIB), read_text(eval or EMBEDDED_EVAL)
     model, tokenizer = load_model(source, device, dtype)
-    support = exporter.supports(model, explain=True)
-    if not support and not (support.approximable and approximate):
-        raise NotExportable(str(support))
+    if approximate and not (support := exporter.supports(model, explain=True)) and not support.approximable:
+        raise NotExportable(str(support))  # before the approximation's work; ``build`` checks the exact case
     record: dict[str, Any] = {"command": "export", "source": str(source), "versions": library_versions()}
     converted = Path(source) / RECORD_NAME
     if converted.is_file() and (dense := json.loads(converted.read_text()).get("model")):

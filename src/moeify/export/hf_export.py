@@ -202,6 +202,7 @@ class HfExporter:
         kernel = {} if dtype in GROUPED_MM_DTYPES else {"experts_implementation": "eager"}
         with no_init_weights():  # every tensor is overwritten below, and checked to be
             target = AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
+        target.tie_weights()  # part of the initialisation skipped above: a tied config's head is the embedding
         state = target.state_dict()
         written = set()
         for key, value in {**analysis.tensors, **self.format.tensors(parts, config)}.items():
