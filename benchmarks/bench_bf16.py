@@ -41,6 +41,30 @@ def bf16_checkpoint(folder: Path) -> Path:
     return folder
 
 
+def eval_prefix(folder: Path, chars: int) -> Path:
+    """The first ``chars`` characters of WikiText-2 raw test, as a file in ``folder``."""
+    path = folder / f"wikitext2_raw_test_first{chars}.txt"
+    path.write_text(EVAL.read_text()[:chars])
+    return path
+
+
+def report(row: dict, out: Path) -> None:
+    """Print ``row`` as a JSON line and append it to ``out``."""
+    print(json.dumps(row), flush=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def arguments(doc: str, methods: str, results: str) -> argparse.ArgumentParser:
+    """The options this benchmark and ``bench_precision_floor.py`` share."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--methods", default=methods)
+    parser.add_argument("--eval-chars", type=int, default=20_000)
+    parser.add_argument("--checkpoint", type=Path, default=Path(tempfile.gettempdir()) / "smollm2-135m-bf16")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / results)
+    return parser
+
+
 def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) -> float:
     sets = [arg for key, value in OPTIONS.get(method, {}).items() for arg in ("--set", f"{key}={value}")]
     command = [sys.executable, "-m", "moeify", "convert", str(model), "--method", method, "--dtype", dtype,
@@ -53,25 +77,17 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default=METHODS)
-    parser.add_argument("--eval-chars", type=int, default=20_000)
-    parser.add_argument("--checkpoint", type=Path, default=Path(tempfile.gettempdir()) / "smollm2-135m-bf16")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_bf16.jsonl")
-    args = parser.parse_args()
+    args = arguments(__doc__, METHODS, "bench_bf16.jsonl").parse_args()
     model = bf16_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
-        eval_file = Path(tmp) / f"wikitext2_raw_test_first{args.eval_chars}.txt"
-        eval_file.write_text(EVAL.read_text()[:args.eval_chars])
+        eval_file = eval_prefix(Path(tmp), args.eval_chars)
         for method in args.methods.split(","):
             ppl = {dtype: convert(method, model, dtype, eval_file, Path(tmp) / f"{method}-{dtype}")
                    for dtype in ("float32", "bfloat16")}
             row = {"method": method, "options": OPTIONS.get(method, {}), "model": "SmolLM2-135M bfloat16 checkpoint",
                    "eval": eval_file.name, "ppl": ppl,
                    "relative_gap": round(abs(ppl["bfloat16"] / ppl["float32"] - 1), 4)}
-            print(json.dumps(row), flush=True)
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            report(row, args.out)
 
 
 if __name__ == "__main__":
