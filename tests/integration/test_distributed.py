@@ -1,5 +1,6 @@
-"""Data-parallel training under torchrun (2 processes, gloo on this CPU) ends with the weights of one
-process on the same global batch and seed, within 1e-5; only the main process writes."""
+"""Data-parallel training under torchrun (2 processes, gloo on this CPU), replicated and sharded (``--fsdp``),
+ends with the weights of one process on the same global batch and seed, within 1e-5; only the main process
+writes. The checkpoint every 2 of 3 steps also gathers a sharded run's model and shards it again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow  # two conversions with training per method (~15 s each)
+pytestmark = pytest.mark.slow  # three conversions with training per method (~15 s each)
 
 # A checkpoint every 2 steps: only the main process writes it, and both continue.
 RUNS = {
@@ -23,13 +24,13 @@ RUNS = {
 }
 
 
-def convert(method: str, out, processes: int) -> None:
+def convert(method: str, out, processes: int, fsdp: bool = False) -> None:
     launcher = [] if processes == 1 else [shutil.which("torchrun") or "torchrun", "--nproc_per_node",
                                           str(processes)]
     python = [] if launcher else [sys.executable]
     options = [arg for option in RUNS[method] for arg in ("--set", option)]
     command = [*launcher, *python, "-m", "moeify", "convert", "--method", method, "--out", str(out), "--no-speed",
-               *options]
+               *options, *(["--fsdp"] if fsdp else [])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -39,11 +40,16 @@ def convert(method: str, out, processes: int) -> None:
 def test_two_processes_train_to_the_weights_of_one(method, tmp_path):
     convert(method, tmp_path / "one", 1)
     convert(method, tmp_path / "two", 2)
-    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert one.keys() == two.keys()
-    gap = max(float((one[k].double() - two[k].double()).abs().max()) for k in one)
-    assert gap <= 1e-5, gap
-    records = [json.loads((tmp_path / name / "record.json").read_text()) for name in ("one", "two")]
-    assert records[0]["metrics"]["ppl"] == pytest.approx(records[1]["metrics"]["ppl"], rel=1e-5)
-    assert not (tmp_path / "two.work").exists() and not (tmp_path / "two.lock").exists()
-    assert torch.isfinite(torch.tensor(records[1]["metrics"]["ppl"]))
+    convert(method, tmp_path / "sharded", 2, fsdp=True)
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    reference = json.loads((tmp_path / "one" / "record.json").read_text())
+    for name, fsdp in (("two", False), ("sharded", True)):
+        other = load_file(tmp_path / name / "model.safetensors")
+        assert one.keys() == other.keys()
+        gap = max(float((one[k].double() - other[k].double()).abs().max()) for k in one)
+        assert gap <= 1e-5, (name, gap)
+        record = json.loads((tmp_path / name / "record.json").read_text())
+        assert (record["config"]["processes"], record["config"]["fsdp"]) == (2, fsdp)
+        assert reference["metrics"]["ppl"] == pytest.approx(record["metrics"]["ppl"], rel=1e-5)
+        assert torch.isfinite(torch.tensor(record["metrics"]["ppl"]))
+        assert not (tmp_path / f"{name}.work").exists() and not (tmp_path / f"{name}.lock").exists()

@@ -95,6 +95,7 @@ def test_eval_with_runtime_top_k(converted, tmp_path, capsys):
     (["eval", "embedded:stories260K", "--set", "top_k=2"], "apply to converted models only"),
     (["eval", "embedded:stories260K", "--seq-len", "1024"], "seq_len=1024 is out of range; allowed: [2, 512]"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--seq-len", "1024"], "eval_seq_len=1024 is out of range"),
+    (["convert", "--method", "dsmoe", "--out", "{tmp}/o", "--fsdp"], "--fsdp shards training over processes: start"),
 ])
 def test_bad_input_fails_early_with_a_clear_message(argv, message, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")

@@ -29,6 +29,7 @@ from moeify.moe.routing import routing_summary
 from moeify.offload import layered_of
 from moeify.options import OptionError, build_config
 from moeify.planning import GIB, ModelShape
+from moeify.training.distributed import fsdp, world_size
 
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
 CHARS_PER_TOKEN = 3  # for the memory plan's count of evaluation tokens: English BPE averages 4 or more
@@ -146,7 +147,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "paper": spec.paper,
         "model": str(model or EMBEDDED_MODEL),
         "config": {**vars(config), "seed": seed, "device": device, "layer_by_layer": layer_by_layer,
-                   "dtype": str(next(dense.parameters()).dtype).removeprefix("torch.")},
+                   "dtype": str(next(dense.parameters()).dtype).removeprefix("torch."),
+                   "processes": world_size(), "fsdp": fsdp()},
         "data": {"calib": {"name": calib_source.name, "sha256": calib_source.sha256},
                  "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
                  "analysis_eval": [{"name": s.name, "sha256": s.sha256} for s in eval_sources]},

@@ -20,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "a loadable model folder with record.json into --out (atomically). Methods that train keep "
                     "resumable checkpoints in <out>.work beside it (removed once the model is saved). "
                     "Data-parallel training: torchrun --nproc_per_node N -m moeify convert ... (batch_size stays "
-                    "the global batch, so the result does not depend on N; gloo on CPU, NCCL on GPUs).")
+                    "the global batch, so the result does not depend on N; gloo on CPU, NCCL on GPUs); with --fsdp the "
+                    "processes share the training's weights, gradients and optimizer state instead of each holding "
+                    "them all.")
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--method", required=True, help="conversion method (see `moeify methods`)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
@@ -42,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_layer_by_layer_argument(parser)
     parser.add_argument("--no-memory-check", action="store_true",
                         help="convert even if `moeify plan`'s estimated peak exceeds the free memory")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="under torchrun: shard the model, its gradients and the optimizer state over the "
+                             "processes while training (FSDP2: a model whose training state does not fit one "
+                             "device), instead of replicating them; the same steps either way")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.set_defaults(run=run)
 
@@ -50,11 +56,14 @@ def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.files import check_output_dir, output_lock
     from moeify.options import parse_assignments
-    from moeify.training.distributed import init_from_env, is_main
+    from moeify.training.distributed import init_from_env, is_main, launched
 
+    if args.fsdp and not launched():
+        raise ValueError("--fsdp shards training over processes: start moeify with torchrun --nproc_per_node N "
+                         "(N >= 2)")
     options = parse_assignments(args.set)
     check_output_dir(args.out, args.overwrite)
-    init_from_env(args.device)  # under torchrun: every process converts, the training shares each batch
+    init_from_env(args.device, fsdp=args.fsdp)  # under torchrun: every process converts, the training shares each batch
     work_dir = args.out.with_name(args.out.name + ".work")
     # a second convert into the same --out is refused, naming this one; under torchrun the main process holds it
     with output_lock(args.out) if is_main() else contextlib.nullcontext():

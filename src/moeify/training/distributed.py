@@ -8,6 +8,10 @@ same optimizer step as one process with the whole batch would (up to float summa
 result therefore does not depend on the process count. Only the main process (rank 0) writes checkpoints
 and outputs. The backend is NCCL where the work device is a GPU, gloo on CPU.
 
+Each process holds the whole model by default (replicated, as DDP does); ``init_from_env(..., fsdp=True)``
+(``moeify convert --fsdp``) shards the weights, gradients and optimizer state over the processes while
+training instead (``sharding.py``), with the same steps.
+
 Noise a loss draws inside a step (ToMoE's Gumbel samples) is each window's own (``noise.py``), and
 statistics of the whole batch (ToMoE's load balance and mask unions) are gathered from every process
 (``gathered``), so ToMoE too trains to the one-process weights. LoRA dropout (off by default) is drawn
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 def launched() -> bool:
@@ -30,13 +35,24 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_from_env(device: str) -> None:
-    """Join the process group that the launcher's environment describes (no-op for one process)."""
+_fsdp = False
+
+
+def init_from_env(device: str, fsdp: bool = False) -> None:
+    """Join the process group that the launcher's environment describes (no-op for one process);
+    ``fsdp``: shard what training holds over the processes instead of replicating it."""
+    global _fsdp
+    _fsdp = fsdp
     if not launched() or dist.is_initialized():
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+
+
+def fsdp() -> bool:
+    """Whether training shards the model over more than one process (``sharding.py``)."""
+    return _fsdp and world_size() > 1
 
 
 def world_size() -> int:
@@ -67,10 +83,11 @@ def all_reduce_sum_(tensors: Iterable[Tensor]) -> None:
 
 def all_reduce_gradients_(model: nn.Module) -> None:
     """Sum the gradients of ``model``'s trainable parameters over the processes. A process whose share of
-    the batch was empty contributes zeros."""
+    the batch was empty contributes zeros. Sharded parameters (DTensors) are skipped: FSDP has summed
+    their gradients in the backward pass."""
     if not dist.is_initialized():
         return
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)

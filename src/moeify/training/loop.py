@@ -6,10 +6,11 @@ disjoint windows: one pass over them, as CMoE's fine-tune does) and splits them 
 micro-batches whose gradients add up (each micro-batch loss is weighted by its share of the windows, so
 a step equals one step on the whole batch, and the batches do not depend on ``grad_accum``: it trades
 memory for time only). Under torchrun the batch is first shared among the processes and their gradients
-summed (``distributed.py``); the result does not depend on the process count, nor does noise that a loss
-draws (``noise.py``: each window's own, whatever process or micro-batch holds it). Then the optimizer steps and
-``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is pluggable (``loss_fn`` returns
-the total to minimise under ``"loss"`` and any parts to log).
+summed (``distributed.py``; with FSDP the model, its gradients and the optimizer state are sharded over
+the processes while training, ``sharding.py``); the result does not depend on the process count, nor does
+noise that a loss draws (``noise.py``: each window's own, whatever process or micro-batch holds it). Then
+the optimizer steps and ``after_step`` runs (e.g. CMoE's load-balancing bias update). The loss is
+pluggable (``loss_fn`` returns the total to minimise under ``"loss"`` and any parts to log).
 
 A model held in bfloat16 or float16 trains float32 master weights (``precision.py``): the optimizer updates
 float32 copies of what it trains, which return to the working dtype at the end; the forward runs under
@@ -27,9 +28,10 @@ fingerprint).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +41,14 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from moeify.offload.allocator import fix_mmap_threshold
+from moeify.training import distributed
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moeify.training.distributed import all_reduce_gradients_, all_reduce_sum_, barrier, is_main, rank, world_size
 from moeify.training.losses import lm_loss
 from moeify.training.noise import step_noise
 from moeify.training.precision import Precision, mixed_precision
 from moeify.training.recompute import recomputed_layers
+from moeify.training.sharding import sharded
 
 LossFn = Callable[[nn.Module, Tensor], dict[str, Tensor]]
 
@@ -226,11 +230,13 @@ def _check_shares(plan: TrainPlan) -> None:
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, plan: TrainPlan, *, seed: int,
           device: torch.device, loss_fn: LossFn = lm_loss, checkpointing: Checkpointing | None = None,
           after_step: Callable[[], None] | None = None, progress: bool = True, desc: str = "training",
-          network: nn.Module | None = None) -> TrainLog:
+          network: nn.Module | None = None, replicated: Iterable[nn.Parameter] = ()) -> TrainLog:
     """Train ``model`` for ``plan.steps`` optimizer steps (see the module docstring); returns the loss log.
 
     ``network``: the causal LM whose decoder layers ``plan.recompute`` checkpoints, when ``model`` is not
-    it (ToMoE trains its own modules; an adapter wrapper hides the layers)."""
+    it (ToMoE trains its own modules; an adapter wrapper hides the layers). ``replicated``: parameters
+    inside the decoder layers that the loss also uses outside them, which FSDP must leave whole
+    (``sharding.py``)."""
     fix_mmap_threshold()  # freed activations go back to the system instead of fragmenting the heap
     _check_shares(plan)
     generator = torch.Generator().manual_seed(seed)
@@ -245,26 +251,28 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
             began = time.perf_counter()
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
                        disable=not progress or not is_main())
-            for step in bar:
-                if plan.epoch_samples:
-                    batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
-                else:
-                    batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
-                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, precision, seed, step)
-                if plan.schedule is not None:
-                    scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
-                precision.step(optimizer)
-                if after_step is not None:
-                    after_step()
-                log.append(sums)
-                bar.set_postfix(loss=f"{sums['loss']:.4f}")
-                done = step + 1
-                if checkpointing is not None and (done == plan.steps or
-                                                  (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
-                    if is_main():  # every process holds the same state: one writes it
-                        save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
-                                        checkpointing.fingerprint, precision.state())
-                    barrier()
+            with sharded(network, optimizer, device, replicated, enabled=distributed.fsdp()) as shards:
+                for step in bar:
+                    if plan.epoch_samples:
+                        batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
+                    else:
+                        batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
+                    sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, precision, seed, step)
+                    if plan.schedule is not None:
+                        scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
+                    precision.step(optimizer)
+                    if after_step is not None:
+                        after_step()
+                    log.append(sums)
+                    bar.set_postfix(loss=f"{sums['loss']:.4f}")
+                    done = step + 1
+                    if checkpointing is not None and (done == plan.steps or
+                                                      (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
+                        with contextlib.nullcontext() if shards is None else shards.gathered():
+                            if is_main():  # every process holds the same state: one writes it
+                                save_checkpoint(checkpointing.folder, done, model, optimizer, generator,
+                                                log.as_dict(), checkpointing.fingerprint, precision.state())
+                        barrier()
             log.seconds = time.perf_counter() - began
     finally:
         model.eval()

@@ -214,7 +214,7 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
         ctx.work_dir / "tomoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
     log = train(theta, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
                 device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
-                desc="tomoe: learning experts and routers", network=ctx.model)
+                desc="tomoe: learning experts and routers", network=ctx.model, replicated=theta.parameters())
     theta.eval()
     return {**log.summary(), "curves": log.as_dict()["parts"],
             "checkpoints": None if checkpointing is None else str(checkpointing.folder)}

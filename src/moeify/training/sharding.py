@@ -1,0 +1,164 @@
+"""Fully sharded data-parallel training (FSDP2, ``torch.distributed.fsdp.fully_shard``), for models whose
+weights, gradients and optimizer state do not fit one device once per process.
+
+Inside ``sharded(network, optimizer, device)`` every decoder layer is a ``fully_shard`` unit: each process
+keeps 1/N of each of its parameters, of their gradients and of the optimizer's state for them (AdamW's two
+moments, the float32 masters of ``precision.py``), and a layer's weights are gathered only while it
+computes (its forward, and the backward's recomputation). The full tensors the process held before are
+freed. The decoder (the base model) is the root unit. What stays replicated, as in data-parallel
+training: the decoder's own parameters (embeddings, final norm) and the output head, which the losses
+run a chunk at a time outside the decoder's forward (``losses.py``) where no FSDP hook would gather them
+(at 7B-70B the embeddings are 2-13 % of the weights); parameters outside ``network``; and those the
+caller names, which a loss also runs outside the layers (ToMoE's hypernetwork and mask projections;
+ToMoE's frozen MLP weights are held by its masked MLPs as plain tensors, outside the module tree, so only
+its attention is sharded). The training loop's arithmetic is unchanged: each process weights its windows'
+losses by their share of the global batch, and the gradients are summed, not averaged, over the processes
+(a gradient divide factor of 1; the loop sums the replicated parameters' gradients itself), so a sharded
+run takes the steps the replicated one takes, up to float summation order.
+
+``Shards.gathered()`` turns the model back into the plain one (the same ``Parameter`` objects, holding the
+full trained tensors; the modules' own classes; the optimizer's state on them), which a checkpoint or the
+rest of the conversion reads, and shards it again on leaving; leaving ``sharded`` gathers for good.
+Undoing ``fully_shard`` has no public API (FSDP2 is meant to stay for a module's life): ``_detach`` removes
+what ``fully_shard`` attaches in torch 2.13 (its hooks, its class in the MRO, its state records) and is
+pinned by a test that trains, gathers, trains sharded again and compares with unsharded training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+from torch.distributed._composable_state import _module_state_mapping
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from moeify.arch import DecoderAdapter
+from moeify.arch.head import causal_lm
+from moeify.training.distributed import world_size
+
+_MANAGED_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+@dataclass
+class Shards:
+    """The sharding of one training run: its units and the plain parameters they stand for."""
+
+    optimizer: torch.optim.Optimizer
+    mesh: DeviceMesh
+    layers: list[nn.Module]
+    root: nn.Module  # the decoder (the base model): what runs the layers
+    replicated: set[nn.Parameter]  # parameters of the layers a loss also uses outside their forward passes
+    # (module, attribute, the plain Parameter the module held before sharding), tied ones once per module
+    owners: list[tuple[nn.Module, str, nn.Parameter]] = field(default_factory=list)
+
+    @property
+    def units(self) -> list[nn.Module]:
+        return [*self.layers, self.root]
+
+    def shard(self) -> None:
+        """Make every unit a ``fully_shard`` unit; the optimizer follows its parameters to their shards."""
+        self.owners = [(module, name, param) for layer in self.layers for module in layer.modules()
+                       for name, param in module._parameters.items()
+                       if param is not None and param not in self.replicated]
+        for layer in self.layers:
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=True,
+                        ignored_params={p for p in layer.parameters() if p in self.replicated})
+        in_layers = {id(plain) for _, _, plain in self.owners}
+        replicated = {p for p in self.root.parameters() if id(p) not in in_layers}
+        fully_shard(self.root, mesh=self.mesh, reshard_after_forward=True, ignored_params=replicated)
+        for unit in self.units:
+            unit.set_gradient_divide_factor(1.0)  # a sum: the losses already carry each process's share
+            unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
+        sharded = {id(plain): module._parameters[name] for module, name, plain in self.owners}
+        _move_optimizer_(self.optimizer, sharded, lambda value, param: distribute_tensor(
+            value.to(param.device), self.mesh, param.placements))
+        for _, _, plain in self.owners:  # the shards hold the values now
+            plain.data = torch.empty(0, dtype=plain.dtype, device=plain.device)
+
+    def gather(self) -> None:
+        """Undo ``shard``: the full tensors back in the plain parameters, on the units' own classes."""
+        full: dict[int, Tensor] = {}
+        plain_of: dict[int, nn.Parameter] = {}
+        for module, name, plain in self.owners:
+            param = module._parameters[name]
+            if id(plain) not in full:  # collective: every process gathers the same tensors in the same order
+                full[id(plain)] = _whole(param.full_tensor().detach())
+                plain_of[id(param)] = plain
+            plain.data = full[id(plain)]
+            plain.grad = None
+            module._parameters[name] = plain
+        _move_optimizer_(self.optimizer, plain_of, lambda value, param: _whole(value.full_tensor()))
+        for unit in reversed(self.units):
+            _detach(unit)
+        for module in self.root.modules():
+            for flag in _MANAGED_FLAGS:
+                module.__dict__.pop(flag, None)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The plain model and optimizer inside the block (a checkpoint reads them); sharded again after."""
+        self.gather()
+        yield
+        self.shard()
+
+
+def _move_optimizer_(optimizer: torch.optim.Optimizer, new: dict[int, nn.Parameter], convert) -> None:
+    """Point ``optimizer`` at ``new[id(param)]`` for each of its parameters that has one, converting each
+    tensor of its state that is shaped like the parameter with ``convert(value, new_param)``."""
+    for group in optimizer.param_groups:
+        old_params = group["params"]
+        group["params"] = [new.get(id(p), p) for p in old_params]
+        for old, moved in zip(old_params, group["params"]):
+            if moved is old or old not in optimizer.state:
+                continue
+            state = optimizer.state.pop(old)
+            optimizer.state[moved] = {key: convert(value, moved) if _like_param(value, moved) else value
+                                      for key, value in state.items()}
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """``tensor`` in a storage of its own: a gathered tensor can be a view into a padded buffer, which
+    safetensors refuses to save (and which would keep the padding alive)."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
+def _like_param(value: object, param: nn.Parameter) -> bool:
+    """Whether an optimizer-state entry holds one value per element of its parameter (AdamW's moments, not
+    its step count); a DTensor parameter's shape is its full one."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _detach(unit: nn.Module) -> None:
+    """Remove what ``fully_shard`` attached to ``unit`` (torch 2.13): forward hooks, the FSDP class in
+    its MRO, the composable-API state records."""
+    state = unit._get_fsdp_state()
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    unit.__class__ = next(cls for cls in type(unit).__mro__ if not issubclass(cls, FSDPModule))
+    unit.__dict__.pop(STATE_KEY, None)
+    unit.__dict__.pop(REGISTRY_KEY, None)
+    _module_state_mapping.pop(unit, None)
+
+
+@contextmanager
+def sharded(network: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+            replicated: Iterable[nn.Parameter] = (), enabled: bool = True) -> Iterator[Shards | None]:
+    """``network`` (a transformers causal LM) sharded over the processes inside the block, one unit per
+    decoder layer plus the root; None when not ``enabled``. ``replicated``: parameters inside the layers
+    that stay whole (a loss uses them outside the layers' forward passes). Call it after the optimizer's
+    float32 masters are made and a checkpoint, if any, is restored: it shards the optimizer's state as it
+    stands."""
+    if not enabled:
+        yield None
+        return
+    shards = Shards(optimizer, init_device_mesh(device.type, (world_size(),)), list(DecoderAdapter(network).layers),
+                    causal_lm(network).base_model, set(replicated))
+    shards.shard()
+    yield shards
+    shards.gather()  # not after an error: the other processes may wait elsewhere, and the run is lost anyway
