@@ -3,7 +3,8 @@
 # installed): bfloat16 conversion and evaluation on CUDA (perplexity within 1 % of float32 on the same GPU),
 # `moeify plan`'s CUDA estimate against the measured peak (record.json's memory.peak_device_gib), the
 # speed of a converted model against the dense one in bfloat16, and, with two or more GPUs, data-parallel
-# training over NCCL ending at the one-process weights. Every result lands in $OUT (default gpu_check/).
+# training over NCCL (replicated, and sharded with --fsdp) ending at the one-process weights. Every result
+# lands in $OUT (default gpu_check/).
 # Exits non-zero at the first check that fails.
 #
 #   MODEL=path/to/hf-model bash benchmarks/gpu_check.sh
@@ -39,16 +40,18 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
   options=(--set steps=4 --set batch_size=4 --set checkpoint_every=0 --set analyses=false)
   python -m moeify convert "$MODEL" --method dsmoe --device cuda --calib "$CALIB" --no-speed \
     "${options[@]}" --out "$OUT/dsmoe-1" --overwrite
-  torchrun --nproc_per_node 2 -m moeify convert "$MODEL" --method dsmoe --device cuda --calib "$CALIB" \
-    --no-speed "${options[@]}" --out "$OUT/dsmoe-2" --overwrite
-  python - "$OUT/dsmoe-1/model.safetensors" "$OUT/dsmoe-2/model.safetensors" <<'PY'
+  for mode in replicated fsdp; do
+    torchrun --nproc_per_node 2 -m moeify convert "$MODEL" --method dsmoe --device cuda --calib "$CALIB" \
+      --no-speed "${options[@]}" --out "$OUT/dsmoe-2-$mode" --overwrite $([ "$mode" = fsdp ] && echo --fsdp)
+    python - "$OUT/dsmoe-1/model.safetensors" "$OUT/dsmoe-2-$mode/model.safetensors" "$mode" <<'PY'
 import sys
 from safetensors.torch import load_file
-one, two = (load_file(path) for path in sys.argv[1:])
+one, two = (load_file(path) for path in sys.argv[1:3])
 gap = max(float((one[k].float() - two[k].float()).abs().max()) for k in one)
-print(f"dsmoe over NCCL, 2 processes against 1: largest weight difference {gap:.2e}")
+print(f"dsmoe over NCCL, 2 processes ({sys.argv[3]}) against 1: largest weight difference {gap:.2e}")
 assert gap < 1e-4, "two processes do not end at the one-process weights"
 PY
+  done
 else
   echo "one GPU: the NCCL data-parallel check needs two"
 fi

@@ -26,7 +26,9 @@ evaluation passes hold the hidden states of every evaluation window instead of o
 On the CPU a safetensors checkpoint stays memory-mapped: its pages count once read, and what a
 conversion writes (new expert weights, trained weights: copy-on-write) comes on top of them, so the
 estimate adds the converted MLPs' weights (and a trained copy) there; on a GPU the replaced weights are
-freed. Everything is for one process; data-parallel processes each hold all of it. The estimate was checked
+freed. Everything is for one process; data-parallel processes each hold all of it, unless the training is
+sharded over them (``--fsdp``: a ``shard`` phase, the model made float32 and sharded a layer at a time, then
+the training's per-parameter parts split among the processes). The estimate was checked
 against the peak resident memory of conversions of a 1.1B-parameter model (``benchmarks/bench_memory.py``).
 """
 
@@ -149,13 +151,14 @@ def _logits(shape: ModelShape, positions: int, nbytes: int) -> int:
 
 def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
                 inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True, layer_by_layer: bool = False,
-                eval_tokens: int | None = None) -> MemoryPlan:
+                eval_tokens: int | None = None, shards: int = 1) -> MemoryPlan:
     """The estimate of a conversion of ``shape`` in ``dtype`` (see the module docstring); ``inference_copy``:
     the converted layers hold a packed copy of their experts at inference (routed, disjoint experts);
     ``mapped``: the checkpoint stays memory-mapped beside what the conversion writes (CPU, safetensors);
     ``on_cpu``: the estimate is of the process's memory (else of the GPU's: the process's own not in it);
     ``layer_by_layer``: the model is held a decoder layer at a time (``moeify.offload``), its evaluation
-    then keeps every one of the ``eval_tokens`` positions' hidden states (default: one batch of windows)."""
+    then keeps every one of the ``eval_tokens`` positions' hidden states (default: one batch of windows);
+    ``shards``: training sharded over that many processes (``training.sharding``, FSDP)."""
     if layer_by_layer:
         return _plan_layer_by_layer(shape, method, dtype, eval_seq_len, inference_copy, on_cpu,
                                     eval_tokens or EVAL_BATCH * eval_seq_len)
@@ -177,15 +180,39 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
         per_layer = _layer_activations(shape, tokens, ab) + tokens * method.extra_train_activations
         kept = shape.layers * tokens * shape.hidden * ab + per_layer if method.recompute else shape.layers * per_layer
         trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
-        phases["train"] = {"weights": weights, "converted weights": written,
-                           "trained copy": trained if mapped or b < 4 else 0, "gradients": trained,
-                           "optimizer": 2 * trained, "activations": kept,
+        copy = trained if mapped or b < 4 else 0
+        phases["train"] = {"weights": weights, "converted weights": written, "trained copy": copy,
+                           "gradients": trained, "optimizer": 2 * trained, "activations": kept,
                            "logits": _logits(shape, tokens, ab)}
+        if shards > 1 and method.trainable >= shape.params:
+            phases.update(_sharded_training(shape, phases.pop("train"), shards))
     phases["evaluate MoE"] = {**evaluation, "converted weights": written,
                               "packed experts": shape.mlp_params * b if inference_copy else 0}
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
             "training tokens per micro-batch x layers": method.train_tokens * shape.layers}
     return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0)
+
+
+def _sharded_training(shape: ModelShape, train: dict[str, int], shards: int) -> dict[str, dict[str, int]]:
+    """The training phase of a model whose every parameter trains, sharded over ``shards`` processes: each
+    keeps 1/shards of the decoder layers' weights, gradients and optimizer state, the rest replicated, plus
+    one layer gathered while it computes; and the sharding itself (``training.sharding``): the model as the
+    conversion left it, a layer at a time made float32 and sharded, the shards made so far beside it.
+    Models that train a small part of themselves (ToMoE, LoRA) are planned unsharded: their training state
+    is small, and ToMoE's frozen MLP weights stay whole."""
+    share = shape.decoder_params / shape.params
+
+    def split(n: int) -> int:
+        return round(n * (1 - share) + n * share / shards)
+
+    per_param = ("weights", "trained copy", "gradients", "optimizer")
+    steady = {part: split(n) if part in per_param else n for part, n in train.items()}
+    steady["one layer gathered"] = shape.layer_params * 4
+    start = {"weights": train["weights"], "converted weights": train["converted weights"],
+             "float32 replicated part": round(shape.params * (1 - share)) * 4,
+             "one layer in float32": shape.layer_params * 4,
+             "float32 shards": round(shape.decoder_params * 4 / shards)}
+    return {"shard": start, "train": steady}
 
 
 def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,

@@ -48,6 +48,21 @@ def test_every_method_plans_its_phases_from_its_options():
     assert plan(None, "cmoe").shape.name == "embedded:stories260K"
 
 
+def test_sharded_training_splits_the_decoder_layers_training_state_among_the_processes():
+    whole = plan("llama-2-7b", "dsmoe", device="cuda").phases["train"]
+    sharded = plan("llama-2-7b", "dsmoe", device="cuda", shards=8)
+    decoder = 32 * (4 * 4096**2 + 3 * 4096 * 11008)  # every LLaMA-2-7B parameter but embeddings and norms
+    for part in ("gradients", "optimizer"):
+        assert whole[part] - sharded.phases["train"][part] == pytest.approx(whole[part] * decoder / 6.74e9 * 7 / 8,
+                                                                            rel=0.01)
+    assert list(sharded.phases) == ["evaluate dense", "shard", "train", "evaluate MoE"]
+    shard = sharded.phases["shard"]  # bfloat16 model, float32 a layer at a time: far below a float32 copy
+    assert sum(shard.values()) < whole["weights"] + whole["trained copy"] / 3
+    assert sharded.peak < plan("llama-2-7b", "dsmoe", device="cuda").peak / 4
+    tomoe = plan("llama-2-7b", "tomoe", device="cuda")  # frozen weights: planned as replicated
+    assert plan("llama-2-7b", "tomoe", device="cuda", shards=8).phases == tomoe.phases
+
+
 def test_convert_stops_before_loading_when_the_plan_does_not_fit(monkeypatch):
     monkeypatch.setattr(plan_api, "available_memory", lambda device: GIB // 1000)
     monkeypatch.setattr(importlib.import_module("moeify.api.convert"), "load_model",

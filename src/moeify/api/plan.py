@@ -24,10 +24,11 @@ def model_shape(model: str | Path | None) -> ModelShape:
 
 def plan(model: str | Path | None, method: str, options: dict[str, Any] | None = None, *,
          dtype: str | torch.dtype | None = None, eval_seq_len: int | None = None, device: str = "cpu",
-         layer_by_layer: bool = False, eval_tokens: int | None = None) -> MemoryPlan:
+         layer_by_layer: bool = False, eval_tokens: int | None = None, shards: int = 1) -> MemoryPlan:
     """The memory plan of converting ``model`` (a path, a hub name, a GGUF file or a preset) with ``method``
     on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16). ``layer_by_layer``: held
-    a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows)."""
+    a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows);
+    ``shards``: per process of a training sharded over that many (``convert --fsdp`` under torchrun)."""
     spec = get_method(method)
     config = build_config(spec.config_cls, options or {})
     shape = model_shape(model)
@@ -35,18 +36,19 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default
     gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
     return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf,
-                       layer_by_layer, eval_tokens)
+                       layer_by_layer, eval_tokens, shards)
 
 
 def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int, device: str,
-                gguf: bool, layer_by_layer: bool = False, eval_tokens: int | None = None) -> MemoryPlan:
+                gguf: bool, layer_by_layer: bool = False, eval_tokens: int | None = None,
+                shards: int = 1) -> MemoryPlan:
     """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device``; a
     CPU conversion of a safetensors checkpoint (not ``gguf``, which is dequantised) keeps it memory-mapped."""
     memory = spec.memory(shape, config, torch.finfo(dtype).bits // 8)
     on_cpu = torch.device(device).type == "cpu"
     return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy,
                        mapped=on_cpu and not gguf, on_cpu=on_cpu, layer_by_layer=layer_by_layer,
-                       eval_tokens=eval_tokens)
+                       eval_tokens=eval_tokens, shards=shards)
 
 
 def available_memory(device: str) -> int | None:
@@ -77,6 +79,8 @@ def check_fits(memory: MemoryPlan, device: str, layer_by_layer_possible: bool = 
         hints.append("fewer calibration windows (--set calib_samples=...) or a shorter --set seq_len")
     elif phase == "train":
         hints.append("a smaller micro-batch (--set grad_accum=...) and --set recompute=true")
+        hints.append("the training sharded over several devices (torchrun --nproc_per_node N -m moeify convert "
+                     "--fsdp ...)")
     else:
         hints.append("a shorter evaluation window (--seq-len)")
     hints.append("a machine or device with more memory")

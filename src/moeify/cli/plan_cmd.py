@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the conversion runs (on the CPU a safetensors checkpoint stays memory-mapped)")
     add_layer_by_layer_argument(parser)
+    parser.add_argument("--fsdp", type=int, default=1, metavar="N",
+                        help="per process of a training sharded over N processes (`torchrun --nproc_per_node N "
+                             "-m moeify convert --fsdp`; default 1: not sharded)")
     parser.add_argument("--table", action="store_true",
                         help="the README's table: every method's peak on every preset shape, bfloat16 (with "
                              "--layer-by-layer: the methods that can, held one decoder layer at a time)")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(args.layer_by_layer))
         return 0
     memory = plan(args.model, args.method, parse_assignments(args.set), dtype=args.dtype, eval_seq_len=args.seq_len,
-                  device=args.device, layer_by_layer=args.layer_by_layer)
+                  device=args.device, layer_by_layer=args.layer_by_layer, shards=args.fsdp)
     record = memory.as_dict()
     if args.json:
         print(json.dumps(record, indent=2))

@@ -34,3 +34,15 @@ def fix_mmap_threshold(threshold: int = TRAINING_MMAP_THRESHOLD) -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS, Windows): nothing to tune
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): memory freed inside the heap
+    (e.g. weights loaded before the threshold was fixed) otherwise stays in the process, since later large
+    tensors are mapped afresh. True when it released anything."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))

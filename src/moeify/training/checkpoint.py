@@ -3,7 +3,7 @@
 A checkpoint is a folder ``step-00000120/`` inside the run's checkpoint folder, holding
 
 - ``model.safetensors``: the model's whole state (parameters and buffers, e.g. CMoE's balancing bias),
-  written by ``safetensors.torch.save_model`` (which stores tied weights once);
+  tied weights once (``safetensors.torch.load_model`` reads it back); a sharded run's shards gathered;
 - ``optimizer.safetensors``: every tensor of ``optimizer.state_dict()["state"]``, keyed
   ``"<param index>/<name>"``;
 - ``rng.safetensors``: the state of the data generator and of torch's global CPU (and CUDA) generators;
@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moeify.files import atomic_dir
 
@@ -63,6 +64,26 @@ def _rng_tensors(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return states
 
 
+def _on_cpu(value: torch.Tensor) -> torch.Tensor:
+    """A state tensor as a whole CPU tensor: a sharded one (a DTensor, ``sharding.py``) is gathered, a
+    collective every process takes part in, one tensor at a time so no device holds more than one whole."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().cpu().contiguous()
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as CPU tensors, each tied tensor once (under its first name, as ``load_model``
+    accepts)."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in seen:
+            seen.add(id(value))
+            tensors[name] = _on_cpu(value)
+    return tensors
+
+
 def _split_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """optimizer.state_dict() -> (tensors for safetensors, JSON-able rest)."""
     full = optimizer.state_dict()
@@ -70,7 +91,7 @@ def _split_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.
     for index, entries in full["state"].items():
         for name, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{index}/{name}"] = value.detach().cpu().contiguous()
+                tensors[f"{index}/{name}"] = _on_cpu(value)
             else:
                 scalars.setdefault(str(index), {})[name] = value
     return tensors, {"param_groups": full["param_groups"], "scalars": scalars}
@@ -86,14 +107,18 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> d
 
 def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     generator: torch.Generator, log: dict[str, Any], fingerprint: dict[str, Any],
-                    scaler: dict[str, Any] | None = None) -> Path:
+                    scaler: dict[str, Any] | None = None, write: bool = True) -> Path:
     """Write the checkpoint of ``step`` atomically and remove the older ones; ``scaler``: the loss
-    scaler's state, if any."""
+    scaler's state, if any. Every process of a sharded run calls it (the shards are gathered); only the one
+    with ``write`` writes."""
     folder = Path(folder)
     target = folder / f"{_PREFIX}{step:08d}"
+    model_tensors = _model_tensors(model)
     optimizer_tensors, optimizer_rest = _split_optimizer(optimizer)
+    if not write:
+        return target
     with atomic_dir(target, overwrite=True) as tmp:
-        save_model(model, str(tmp / "model.safetensors"))
+        save_file(model_tensors, str(tmp / "model.safetensors"))
         save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"))
         save_file(_rng_tensors(generator), str(tmp / "rng.safetensors"))
         state = {"format_version": FORMAT_VERSION, "step": step, "log": log, "optimizer": optimizer_rest,

@@ -28,7 +28,6 @@ fingerprint).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -243,7 +242,11 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     network = model if network is None else network
     model.train()
     try:
-        with (mixed_precision(network, optimizer, device) as precision,
+        # Sharded, the masters are made a layer at a time as it is sharded, unless a checkpoint (of float32
+        # masters) is restored first into the whole model.
+        shard = distributed.fsdp()
+        upcast = not shard or (checkpointing is not None and checkpointing.resume)
+        with (mixed_precision(network, optimizer, device, upcast) as precision,
               recomputed_layers(network, plan.recompute)):
             start, log = _start(model, optimizer, generator, precision, checkpointing, plan.steps)
             log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
@@ -251,7 +254,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
             began = time.perf_counter()
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
                        disable=not progress or not is_main())
-            with sharded(network, optimizer, device, replicated, enabled=distributed.fsdp()) as shards:
+            with sharded(network, optimizer, device, replicated, enabled=shard) as shards:
                 for step in bar:
                     if plan.epoch_samples:
                         batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
@@ -268,10 +271,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                     done = step + 1
                     if checkpointing is not None and (done == plan.steps or
                                                       (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
-                        with contextlib.nullcontext() if shards is None else shards.gathered():
-                            if is_main():  # every process holds the same state: one writes it
-                                save_checkpoint(checkpointing.folder, done, model, optimizer, generator,
-                                                log.as_dict(), checkpointing.fingerprint, precision.state())
+                        if shards is not None or is_main():  # sharded: every process gathers shards
+                            save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
+                                            checkpointing.fingerprint, precision.state(), write=is_main())
                         barrier()
             log.seconds = time.perf_counter() - began
     finally:

@@ -33,11 +33,12 @@ import torch
 from torch import Tensor, nn
 
 
-def low_precision_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype that holds most of ``model``'s parameters below float32 (float32 when none is)."""
+def low_precision_dtype(model: nn.Module, skip: set[int] = frozenset()) -> torch.dtype:
+    """The dtype that holds most of ``model``'s parameters below float32 (float32 when none is), leaving out
+    those whose id is in ``skip``."""
     counts: Counter[torch.dtype] = Counter()
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != torch.float32:
+        if p.is_floating_point() and p.dtype != torch.float32 and id(p) not in skip:
             counts[p.dtype] += p.numel()
     return counts.most_common(1)[0][0] if counts else torch.float32
 
@@ -75,17 +76,19 @@ class Precision:
 
 
 @contextmanager
-def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> Iterator[Precision]:
+def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                    upcast: bool = True) -> Iterator[Precision]:
     """Inside the block the optimizer's low-precision parameters are float32 masters and the returned
     ``Precision`` computes in ``network``'s working dtype, or in float32 when no low-precision parameter
-    is left; on leaving, the masters return to their dtypes."""
+    is left; on leaving, the masters return to their dtypes. ``upcast=False``: the caller makes the masters
+    float32 itself before training (``sharding.py``: a layer at a time, as it shards them)."""
     masters = [p for group in optimizer.param_groups for p in group["params"]
                if p.is_floating_point() and p.dtype != torch.float32]
     original = [p.dtype for p in masters]
-    for p in masters:  # the same Parameter objects, so the optimizer's references stay valid
-        p.data = p.data.float()
-    dtype = low_precision_dtype(network)  # float32 when every parameter became a master
+    if upcast:
+        for p in masters:  # the same Parameter objects, so the optimizer's references stay valid
+            p.data = p.data.float()
+    dtype = low_precision_dtype(network, skip={id(p) for p in masters})  # float32 when every one is a master
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     try:
         yield Precision(dtype, device, scaler)

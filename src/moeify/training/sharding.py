@@ -16,12 +16,14 @@ losses by their share of the global batch, and the gradients are summed, not ave
 (a gradient divide factor of 1; the loop sums the replicated parameters' gradients itself), so a sharded
 run takes the steps the replicated one takes, up to float summation order.
 
-``Shards.gathered()`` turns the model back into the plain one (the same ``Parameter`` objects, holding the
-full trained tensors; the modules' own classes; the optimizer's state on them), which a checkpoint or the
-rest of the conversion reads, and shards it again on leaving; leaving ``sharded`` gathers for good.
+A checkpoint reads the sharded model and optimizer as they are, gathering one tensor at a time to the CPU
+(``checkpoint.py``), so no device ever holds the whole training state. Leaving ``sharded`` turns the
+model back into the plain one (the same ``Parameter`` objects, holding the full trained tensors; the
+modules' own classes), which the rest of the conversion reads; the optimizer's state, no longer needed,
+is dropped rather than gathered.
 Undoing ``fully_shard`` has no public API (FSDP2 is meant to stay for a module's life): ``_detach`` removes
 what ``fully_shard`` attaches in torch 2.13 (its hooks, its class in the MRO, its state records) and is
-pinned by a test that trains, gathers, trains sharded again and compares with unsharded training.
+pinned by a test that trains sharded and compares the gathered model with unsharded training.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
+from moeify.offload.allocator import release_freed_memory
 from moeify.training.distributed import world_size
 
 _MANAGED_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
@@ -62,29 +65,40 @@ class Shards:
         return [*self.layers, self.root]
 
     def shard(self) -> None:
-        """Make every unit a ``fully_shard`` unit; the optimizer follows its parameters to their shards."""
+        """Make every unit a ``fully_shard`` unit; the optimizer follows its parameters to their shards. What
+        the optimizer trains becomes float32 (its masters, ``precision.py``) a layer at a time, just before
+        the layer is sharded, so no process ever holds the whole model in float32."""
         self.owners = [(module, name, param) for layer in self.layers for module in layer.modules()
                        for name, param in module._parameters.items()
                        if param is not None and param not in self.replicated]
+        trained = {p for group in self.optimizer.param_groups for p in group["params"]}
+        _upcast_(trained.intersection(self.root.parameters()) - {p for _, _, p in self.owners})
         for layer in self.layers:
+            plain = [p for p in layer.parameters() if p not in self.replicated]
+            _upcast_(trained.intersection(plain))
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=True,
                         ignored_params={p for p in layer.parameters() if p in self.replicated})
+            for param in plain:  # the layer's shards hold its values now
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         in_layers = {id(plain) for _, _, plain in self.owners}
         replicated = {p for p in self.root.parameters() if id(p) not in in_layers}
         fully_shard(self.root, mesh=self.mesh, reshard_after_forward=True, ignored_params=replicated)
         for unit in self.units:
             unit.set_gradient_divide_factor(1.0)  # a sum: the losses already carry each process's share
             unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
-        sharded = {id(plain): module._parameters[name] for module, name, plain in self.owners}
-        _move_optimizer_(self.optimizer, sharded, lambda value, param: distribute_tensor(
-            value.to(param.device), self.mesh, param.placements))
-        for _, _, plain in self.owners:  # the shards hold the values now
-            plain.data = torch.empty(0, dtype=plain.dtype, device=plain.device)
+        _shard_optimizer_(self.optimizer, {id(plain): module._parameters[name] for module, name, plain in self.owners},
+                          self.mesh)
+        release_freed_memory()  # the full tensors freed above, on the CPU
 
     def gather(self) -> None:
-        """Undo ``shard``: the full tensors back in the plain parameters, on the units' own classes."""
+        """Undo ``shard`` once training is over: the full tensors back in the plain parameters, on the units'
+        own classes. The optimizer's state and the gradients, no longer needed, are dropped first, so a
+        process holds the full model beside the model's shards only."""
+        self.optimizer.state.clear()
         full: dict[int, Tensor] = {}
         plain_of: dict[int, nn.Parameter] = {}
+        for module, name, plain in self.owners:
+            module._parameters[name].grad = None
         for module, name, plain in self.owners:
             param = module._parameters[name]
             if id(plain) not in full:  # collective: every process gathers the same tensors in the same order
@@ -93,45 +107,41 @@ class Shards:
             plain.data = full[id(plain)]
             plain.grad = None
             module._parameters[name] = plain
-        _move_optimizer_(self.optimizer, plain_of, lambda value, param: _whole(value.full_tensor()))
+        for group in self.optimizer.param_groups:
+            group["params"] = [plain_of.get(id(p), p) for p in group["params"]]
         for unit in reversed(self.units):
             _detach(unit)
         for module in self.root.modules():
             for flag in _MANAGED_FLAGS:
                 module.__dict__.pop(flag, None)
 
-    @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """The plain model and optimizer inside the block (a checkpoint reads them); sharded again after."""
-        self.gather()
-        yield
-        self.shard()
 
-
-def _move_optimizer_(optimizer: torch.optim.Optimizer, new: dict[int, nn.Parameter], convert) -> None:
-    """Point ``optimizer`` at ``new[id(param)]`` for each of its parameters that has one, converting each
-    tensor of its state that is shaped like the parameter with ``convert(value, new_param)``."""
+def _shard_optimizer_(optimizer: torch.optim.Optimizer, sharded: dict[int, nn.Parameter], mesh: DeviceMesh) -> None:
+    """Point ``optimizer`` at ``sharded[id(param)]`` for each of its parameters that has one, and shard each
+    tensor of its state that holds a value per element of the parameter (AdamW's moments, not its step)
+    like the parameter (a restored checkpoint's state)."""
     for group in optimizer.param_groups:
         old_params = group["params"]
-        group["params"] = [new.get(id(p), p) for p in old_params]
-        for old, moved in zip(old_params, group["params"]):
-            if moved is old or old not in optimizer.state:
+        group["params"] = [sharded.get(id(p), p) for p in old_params]
+        for old, new in zip(old_params, group["params"]):
+            if new is old or old not in optimizer.state:
                 continue
-            state = optimizer.state.pop(old)
-            optimizer.state[moved] = {key: convert(value, moved) if _like_param(value, moved) else value
-                                      for key, value in state.items()}
+            optimizer.state[new] = {
+                key: distribute_tensor(value.to(new.device), mesh, new.placements)
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == new.shape else value
+                for key, value in optimizer.state.pop(old).items()}
+
+
+def _upcast_(params: Iterable[nn.Parameter]) -> None:
+    for param in params:
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def _whole(tensor: Tensor) -> Tensor:
     """``tensor`` in a storage of its own: a gathered tensor can be a view into a padded buffer, which
     safetensors refuses to save (and which would keep the padding alive)."""
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
-
-
-def _like_param(value: object, param: nn.Parameter) -> bool:
-    """Whether an optimizer-state entry holds one value per element of its parameter (AdamW's moments, not
-    its step count); a DTensor parameter's shape is its full one."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
 def _detach(unit: nn.Module) -> None:
@@ -151,9 +161,8 @@ def sharded(network: nn.Module, optimizer: torch.optim.Optimizer, device: torch.
             replicated: Iterable[nn.Parameter] = (), enabled: bool = True) -> Iterator[Shards | None]:
     """``network`` (a transformers causal LM) sharded over the processes inside the block, one unit per
     decoder layer plus the root; None when not ``enabled``. ``replicated``: parameters inside the layers
-    that stay whole (a loss uses them outside the layers' forward passes). Call it after the optimizer's
-    float32 masters are made and a checkpoint, if any, is restored: it shards the optimizer's state as it
-    stands."""
+    that stay whole (a loss uses them outside the layers' forward passes). Call it after a checkpoint, if
+    any, is restored: it shards the optimizer's state as it stands."""
     if not enabled:
         yield None
         return
