@@ -71,8 +71,10 @@ class Shards:
         self.owners = [(module, name, param) for layer in self.layers for module in layer.modules()
                        for name, param in module._parameters.items()
                        if param is not None and param not in self.replicated]
+        in_layers = {plain for _, _, plain in self.owners}
+        outside = {p for p in self.root.parameters() if p not in in_layers}  # the root's own: replicated
         trained = {p for group in self.optimizer.param_groups for p in group["params"]}
-        _upcast_(trained.intersection(self.root.parameters()) - {p for _, _, p in self.owners})
+        _upcast_(trained.intersection(outside))
         for layer in self.layers:
             plain = [p for p in layer.parameters() if p not in self.replicated]
             _upcast_(trained.intersection(plain))
@@ -80,9 +82,7 @@ class Shards:
                         ignored_params={p for p in layer.parameters() if p in self.replicated})
             for param in plain:  # the layer's shards hold its values now
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        in_layers = {id(plain) for _, _, plain in self.owners}
-        replicated = {p for p in self.root.parameters() if id(p) not in in_layers}
-        fully_shard(self.root, mesh=self.mesh, reshard_after_forward=True, ignored_params=replicated)
+        fully_shard(self.root, mesh=self.mesh, reshard_after_forward=True, ignored_params=outside)
         for unit in self.units:
             unit.set_gradient_divide_factor(1.0)  # a sum: the losses already carry each process's share
             unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
@@ -97,7 +97,7 @@ class Shards:
         self.optimizer.state.clear()
         full: dict[int, Tensor] = {}
         plain_of: dict[int, nn.Parameter] = {}
-        for module, name, plain in self.owners:
+        for module, name, _ in self.owners:
             module._parameters[name].grad = None
         for module, name, plain in self.owners:
             param = module._parameters[name]
