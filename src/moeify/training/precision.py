@@ -24,7 +24,7 @@ then) and the scaler's state, so a resumed run continues exactly where it stoppe
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +75,14 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
+def make_masters_(params: Iterable[nn.Parameter]) -> None:
+    """Hold each low-precision parameter in float32, in place: the same ``Parameter`` objects, so an
+    optimizer's references to them stay valid."""
+    for p in params:
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
 @contextmanager
 def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                     upcast: bool = True) -> Iterator[Precision]:
@@ -86,8 +94,7 @@ def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer, device
                if p.is_floating_point() and p.dtype != torch.float32]
     original = [p.dtype for p in masters]
     if upcast:
-        for p in masters:  # the same Parameter objects, so the optimizer's references stay valid
-            p.data = p.data.float()
+        make_masters_(masters)
     dtype = low_precision_dtype(network, skip={id(p) for p in masters})  # float32 when every one is a master
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     try:

@@ -44,6 +44,7 @@ from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
 from moeify.offload.allocator import release_freed_memory
 from moeify.training.distributed import world_size
+from moeify.training.precision import make_masters_
 
 _MANAGED_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
@@ -74,10 +75,10 @@ class Shards:
         in_layers = {plain for _, _, plain in self.owners}
         outside = {p for p in self.root.parameters() if p not in in_layers}  # the root's own: replicated
         trained = {p for group in self.optimizer.param_groups for p in group["params"]}
-        _upcast_(trained.intersection(outside))
+        make_masters_(trained.intersection(outside))
         for layer in self.layers:
             plain = [p for p in layer.parameters() if p not in self.replicated]
-            _upcast_(trained.intersection(plain))
+            make_masters_(trained.intersection(plain))
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=True,
                         ignored_params={p for p in layer.parameters() if p in self.replicated})
             for param in plain:  # the layer's shards hold its values now
@@ -130,12 +131,6 @@ def _shard_optimizer_(optimizer: torch.optim.Optimizer, sharded: dict[int, nn.Pa
                 key: distribute_tensor(value.to(new.device), mesh, new.placements)
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape == new.shape else value
                 for key, value in optimizer.state.pop(old).items()}
-
-
-def _upcast_(params: Iterable[nn.Parameter]) -> None:
-    for param in params:
-        if param.is_floating_point() and param.dtype != torch.float32:
-            param.data = param.data.float()
 
 
 def _whole(tensor: Tensor) -> Tensor:
