@@ -1,6 +1,7 @@
 """Data-parallel training under torchrun (2 processes, gloo on this CPU), replicated and sharded (``--fsdp``),
 ends with the weights of one process on the same global batch and seed, within 1e-5; only the main process
-writes. The checkpoint every 2 of 3 steps also gathers a sharded run's model and shards it again."""
+writes. The checkpoint every 2 of 3 steps also gathers a sharded run's model and shards it again, and a
+sharded run killed in step 3 resumes, sharded, from that checkpoint to the same weights."""
 
 from __future__ import annotations
 
@@ -24,15 +25,32 @@ RUNS = {
 }
 
 
-def convert(method: str, out, processes: int, fsdp: bool = False) -> None:
+# `moeify` whose training loop raises KeyboardInterrupt (as Ctrl-C would) when it draws step 3's batch.
+DYING_IN_STEP_3 = """
+import sys
+from moeify.cli.main import main
+from moeify.training import loop
+real, calls = loop.random_windows, []
+def dying(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        raise KeyboardInterrupt
+    return real(*args, **kwargs)
+loop.random_windows = dying
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def convert(method: str, out, processes: int, fsdp: bool = False, *extra: str, program: list[str] | None = None,
+            returncode: int = 0) -> None:
     launcher = [] if processes == 1 else [shutil.which("torchrun") or "torchrun", "--nproc_per_node",
                                           str(processes)]
-    python = [] if launcher else [sys.executable]
+    program = program or (["-m", "moeify"] if launcher else [sys.executable, "-m", "moeify"])
     options = [arg for option in RUNS[method] for arg in ("--set", option)]
-    command = [*launcher, *python, "-m", "moeify", "convert", "--method", method, "--out", str(out), "--no-speed",
-               *options, *(["--fsdp"] if fsdp else [])]
+    command = [*launcher, *program, "convert", "--method", method, "--out", str(out), "--no-speed",
+               *options, *(["--fsdp"] if fsdp else []), *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == returncode, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
@@ -53,3 +71,17 @@ def test_two_processes_train_to_the_weights_of_one(method, tmp_path):
         assert reference["metrics"]["ppl"] == pytest.approx(record["metrics"]["ppl"], rel=1e-5)
         assert torch.isfinite(torch.tensor(record["metrics"]["ppl"]))
         assert not (tmp_path / f"{name}.work").exists() and not (tmp_path / f"{name}.lock").exists()
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_a_killed_sharded_run_resumes_sharded_to_the_weights_of_one_process(tmp_path):
+    convert("dsmoe", tmp_path / "one", 1)
+    (tmp_path / "dying.py").write_text(DYING_IN_STEP_3)
+    convert("dsmoe", tmp_path / "sharded", 2, True, program=[str(tmp_path / "dying.py")], returncode=1)
+    assert list((tmp_path / "sharded.work").glob("*/step-00000002")) and not (tmp_path / "sharded").exists()
+    convert("dsmoe", tmp_path / "sharded", 2, True, "--set", "resume=true")
+    one, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("one", "sharded"))
+    assert one.keys() == resumed.keys()
+    assert max(float((one[k].double() - resumed[k].double()).abs().max()) for k in one) <= 1e-5
+    record = json.loads((tmp_path / "sharded" / "record.json").read_text())
+    assert record["details"]["training"]["resumed_from"] == 2
