@@ -156,12 +156,21 @@ def latest_rows(path: Path) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
+def failed(row: dict[str, Any]) -> str:
+    """A failed row's cell: the engine's error, its first sentence."""
+    cause = row["error"].split(": ", 1)[-1].split(". ")[0].replace("|", "/")
+    return f"failed: {cause}"
+
+
 def markdown(path: Path) -> str:
     """The table of ``path``'s rows (``latest_rows``)."""
     rows = latest_rows(path)
     if rows and "tokens_per_s" in rows[0]:
         lines = ["| row | tokens/s (prompt + generated) | x dense | FLOP-ideal x dense |", "|---|---|---|---|"]
         for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['row']} | {failed(r)} | - | - |")
+                continue
             ideal = "-" if r["ideal_speedup"] is None else f"{r['ideal_speedup']:.2f}"
             lines.append(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['speedup']:.2f} | {ideal} |")
         return "\n".join(lines)
@@ -169,6 +178,9 @@ def markdown(path: Path) -> str:
              "in transformers | approximated part: agreement (held out) | PPL native -> export |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | - | - | {failed(r)} | - | - | - |")
+            continue
         d, own = r.get("approximation"), r.get("served_vs_export")
         routing = "-" if d is None else ", ".join(f"{part.replace('_', ' ')} {value:.3f}"
                                                   for part, value in d["agreement"].items())
@@ -207,12 +219,17 @@ def main() -> None:
     speed_ids, dense_speed = speed_prompts(tokenizer), None
     for name, made in folders:
         native, served = made()
-        if args.speed:
-            row = speed(name, served, speed_ids, args.new_tokens, dense_speed and dense_speed["macs_per_token"])
-            dense_speed = dense_speed or row
-            row["speedup"] = row["tokens_per_s"] / dense_speed["tokens_per_s"]
-        else:
-            row = check(name, native, served, ids, args.new_tokens)
+        try:
+            if args.speed:
+                row = speed(name, served, speed_ids, args.new_tokens, dense_speed and dense_speed["macs_per_token"])
+                dense_speed = dense_speed or row
+                row["speedup"] = row["tokens_per_s"] / dense_speed["tokens_per_s"]
+            else:
+                row = check(name, native, served, ids, args.new_tokens)
+        except RuntimeError as error:  # the engine failed on this export: said in its row, the others still run
+            if dense_speed is None and args.speed:
+                raise
+            row = {"row": name, "served": str(served), "error": str(error).splitlines()[0]}
         print(json.dumps(row), flush=True)
         with out.open("a") as f:  # row by row: a failure later keeps what was measured
             f.write(json.dumps(row) + "\n")

@@ -2,7 +2,7 @@
 
 import torch
 
-from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens
+from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens, root_cause
 from tests.helpers.tiny_models import tiny_model
 
 
@@ -22,3 +22,13 @@ def test_native_greedy_decoding_with_the_cache_is_the_argmax_of_the_full_forward
             assert logits.argmax(dim=-1).tolist() == continuation
     margins = margins_at(model, prompts, tokens, [None, 2])
     assert margins[0] is None and margins[1] >= 0
+
+
+def test_a_failed_engine_is_reported_by_its_root_cause_not_the_clients_generic_error():
+    stderr = ("INFO starting\n[rank0]: Traceback (most recent call last):\n"
+              "[rank0]: RuntimeError: zentorch_fused_moe: only 1 expert(s) received tokens.\n"
+              "Traceback (most recent call last):\n"
+              "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    assert root_cause(stderr) == "RuntimeError: zentorch_fused_moe: only 1 expert(s) received tokens."
+    assert root_cause(stderr.split("[rank0]: RuntimeError")[0] + "ValueError: bad\n") == "ValueError: bad"
+    assert root_cause("no exception here\nkilled") == "killed"
