@@ -41,15 +41,17 @@ def served_tokens(folder: str | Path, prompts: list[list[int]], new_tokens: int,
         done = subprocess.run([sys.executable, "-m", "moeify.evaluation.serving", str(request), str(answer)],
                               capture_output=True, text=True, timeout=timeout, env=env)
         if done.returncode != 0:
-            raise RuntimeError(f"vLLM failed on {folder}: {root_cause(done.stderr)}\n{done.stderr[-4000:]}")
+            cause = root_cause(done.stdout + done.stderr)  # vLLM logs its processes' errors to stdout
+            raise RuntimeError(f"vLLM failed on {folder}: {cause}\n{done.stderr[-4000:]}")
         return json.loads(answer.read_text())
 
 
 def root_cause(stderr: str) -> str:
-    """The first exception line of a failed vLLM run (its engine process reports the cause before the
-    client's generic EngineDeadError), or its last line."""
-    causes = [m.group(1) for m in re.finditer(r"^(?:\[rank\d+\]: )?((?:\w+\.)*\w*(?:Error|Exception): .*)$",
-                                               stderr, flags=re.MULTILINE)]
+    """The first exception line of a failed vLLM run, plain or logged as an ERROR by one of its processes
+    (the worker reports the cause before the client's generic EngineDeadError), or its last line."""
+    logged = r"\[rank\d+\]: |\(.*?\) ERROR .*?\] "  # how vLLM's processes prefix what they log
+    causes = [m.group(1) for m in re.finditer(rf"^(?:{logged})?((?:\w+\.)*\w*(?:Error|Exception): .*)$", stderr,
+                                              flags=re.MULTILINE)]
     causes = [c for c in causes if "EngineDeadError" not in c] or causes
     return causes[0] if causes else (stderr.strip().splitlines() or ["no output"])[-1]
 
