@@ -46,14 +46,14 @@ def served_tokens(folder: str | Path, prompts: list[list[int]], new_tokens: int,
         return json.loads(answer.read_text())
 
 
-def root_cause(stderr: str) -> str:
-    """The first exception line of a failed vLLM run, plain or logged as an ERROR by one of its processes
-    (the worker reports the cause before the client's generic EngineDeadError), or its last line."""
+def root_cause(output: str) -> str:
+    """The first exception line in a failed vLLM run's ``output``, plain or logged as an ERROR by one of its
+    processes (the worker reports the cause before the client's generic EngineDeadError), or its last line."""
     logged = r"\[rank\d+\]: |\(.*?\) ERROR .*?\] "  # how vLLM's processes prefix what they log
-    causes = [m.group(1) for m in re.finditer(rf"^(?:{logged})?((?:\w+\.)*\w*(?:Error|Exception): .*)$", stderr,
+    causes = [m.group(1) for m in re.finditer(rf"^(?:{logged})?((?:\w+\.)*\w*(?:Error|Exception): .*)$", output,
                                               flags=re.MULTILINE)]
     causes = [c for c in causes if "EngineDeadError" not in c] or causes
-    return causes[0] if causes else (stderr.strip().splitlines() or ["no output"])[-1]
+    return causes[0] if causes else (output.strip().splitlines() or ["no output"])[-1]
 
 
 @torch.no_grad()
