@@ -25,12 +25,12 @@ def test_native_greedy_decoding_with_the_cache_is_the_argmax_of_the_full_forward
 
 
 def test_a_failed_engine_is_reported_by_its_root_cause_not_the_clients_generic_error():
-    stderr = ("INFO starting\n[rank0]: Traceback (most recent call last):\n"
+    output = ("INFO starting\n[rank0]: Traceback (most recent call last):\n"
               "[rank0]: RuntimeError: zentorch_fused_moe: only 1 expert(s) received tokens.\n"
               "Traceback (most recent call last):\n"
               "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
-    assert root_cause(stderr) == "RuntimeError: zentorch_fused_moe: only 1 expert(s) received tokens."
-    assert root_cause(stderr.split("[rank0]: RuntimeError")[0] + "ValueError: bad\n") == "ValueError: bad"
+    assert root_cause(output) == "RuntimeError: zentorch_fused_moe: only 1 expert(s) received tokens."
+    assert root_cause(output.split("[rank0]: RuntimeError")[0] + "ValueError: bad\n") == "ValueError: bad"
     logged = ("(MainProcess pid=1) WARNING 11-24 [base.py:380] ValueError: not the cause\n"
               "(Worker pid=2) ERROR 11-24 01:12:20 [multiproc_executor.py:1063] RuntimeError: only 1 expert\n"
               "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 TRAINING_MMAP_THRESHOLD = 4 * 2 ** 20
@@ -28,21 +29,22 @@ def fix_mmap_threshold(threshold: int = TRAINING_MMAP_THRESHOLD) -> bool:
     """Give glibc a fixed mmap threshold; True when it took effect."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows): nothing to tune
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    mallopt = _glibc("mallopt")
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def release_freed_memory() -> bool:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): memory freed inside the heap
     (e.g. weights loaded before the threshold was fixed) otherwise stays in the process, since later large
     tensors are mapped afresh. True when it released anything."""
+    trim = _glibc("malloc_trim")
+    return trim is not None and bool(trim(0))
+
+
+def _glibc(name: str) -> Callable[..., int] | None:
+    """glibc's function ``name``, or None where the C library is another (musl, macOS, Windows): nothing
+    to tune there."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
-        return False
-    return bool(trim(0))
+        return None
