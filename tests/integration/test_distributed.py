@@ -1,7 +1,7 @@
 """Data-parallel training under torchrun (2 processes, gloo on this CPU), replicated and sharded (``--fsdp``),
 ends with the weights of one process on the same global batch and seed, within 1e-5; only the main process
 writes. The checkpoint every 2 of 3 steps also gathers a sharded run's model and shards it again, and a
-sharded run killed in step 3 resumes, sharded, from that checkpoint to the same weights."""
+sharded run killed in step 3 resumes from that checkpoint, restored into its shards, to the same weights."""
 
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+# `moeify` that checks, as it restores a checkpoint, that the model is sharded already: each process then
+# reads its own slices only (restored before sharding, every process would hold the whole training state).
+RESTORING_INTO_SHARDS = """
+import sys
+from torch.distributed.tensor import DTensor
+from moeify.cli.main import main
+from moeify.training import loop
+real = loop.load_checkpoint
+def into_shards(folder, model, *args, **kwargs):
+    layers = [p for name, p in model.named_parameters() if ".layers." in name]
+    assert layers and all(isinstance(p, DTensor) for p in layers), "restored before sharding"
+    return real(folder, model, *args, **kwargs)
+loop.load_checkpoint = into_shards
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def convert(method: str, out, processes: int, fsdp: bool = False, *extra: str, program: list[str] | None = None,
             returncode: int = 0) -> None:
     launcher = [] if processes == 1 else [shutil.which("torchrun") or "torchrun", "--nproc_per_node",
@@ -74,12 +91,13 @@ def test_two_processes_train_to_the_weights_of_one(method, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
-def test_a_killed_sharded_run_resumes_sharded_to_the_weights_of_one_process(tmp_path):
+def test_a_killed_sharded_run_resumes_into_its_shards_to_the_weights_of_one_process(tmp_path):
     convert("dsmoe", tmp_path / "one", 1)
     (tmp_path / "dying.py").write_text(DYING_IN_STEP_3)
     convert("dsmoe", tmp_path / "sharded", 2, True, program=[str(tmp_path / "dying.py")], returncode=1)
     assert list((tmp_path / "sharded.work").glob("*/step-00000002")) and not (tmp_path / "sharded").exists()
-    convert("dsmoe", tmp_path / "sharded", 2, True, "--set", "resume=true")
+    (tmp_path / "restoring.py").write_text(RESTORING_INTO_SHARDS)
+    convert("dsmoe", tmp_path / "sharded", 2, True, "--set", "resume=true", program=[str(tmp_path / "restoring.py")])
     one, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("one", "sharded"))
     assert one.keys() == resumed.keys()
     assert max(float((one[k].double() - resumed[k].double()).abs().max()) for k in one) <= 1e-5

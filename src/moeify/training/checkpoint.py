@@ -3,9 +3,11 @@
 A checkpoint is a folder ``step-00000120/`` inside the run's checkpoint folder, holding
 
 - ``model.safetensors``: the model's whole state (parameters and buffers, e.g. CMoE's balancing bias),
-  tied weights once (``safetensors.torch.load_model`` reads it back); a sharded run's shards gathered;
+  tied weights once; a sharded run's shards gathered. A resume copies it back in place a tensor at a time
+  from the memory-mapped file, into a sharded model's shards directly (each process its own slice), so
+  it never needs memory for the whole model beside the one training;
 - ``optimizer.safetensors``: every tensor of ``optimizer.state_dict()["state"]``, keyed
-  ``"<param index>/<name>"``;
+  ``"<param index>/<name>"`` (restored the same way, a sharded parameter's moments cut like it);
 - ``rng.safetensors``: the state of the data generator and of torch's global CPU (and CUDA) generators;
 - ``state.json``: the step, the loss log so far, the optimizer's ``param_groups`` and non-tensor state,
   the float16 loss scaler's state (``precision.py``), and the run's fingerprint (the options that must
@@ -26,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file
-from torch import nn
-from torch.distributed.tensor import DTensor
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moeify.files import atomic_dir
 
@@ -64,44 +67,79 @@ def _rng_tensors(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return states
 
 
-def _on_cpu(value: torch.Tensor) -> torch.Tensor:
-    """A state tensor as a whole CPU tensor: a sharded one (a DTensor, ``sharding.py``) is gathered, a
-    collective every process takes part in, one tensor at a time so no device holds more than one whole."""
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return value.detach().cpu().contiguous()
+def _gathered(tensors: dict[str, Tensor], keep: bool) -> dict[str, Tensor]:
+    """Each tensor whole on the CPU. A sharded one (a DTensor, ``sharding.py``) is gathered, a collective
+    every process takes part in, one tensor at a time so no device holds more than one whole; ``keep=False``
+    (a process that does not write) drops each at once, so it never holds the whole state beside its shards."""
+    out = {}
+    for name, value in tensors.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if keep:
+            out[name] = value.detach().cpu().contiguous()
+    return out
 
 
-def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state as CPU tensors, each tied tensor once (under its first name, as ``load_model``
-    accepts)."""
+def _unique_state(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state (parameters and buffers, sharded ones as DTensors), each tied tensor once, under
+    its first name."""
     seen: set[int] = set()
-    tensors = {}
+    state = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if id(value) not in seen:
             seen.add(id(value))
-            tensors[name] = _on_cpu(value)
-    return tensors
+            state[name] = value
+    return state
 
 
-def _split_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """optimizer.state_dict() -> (tensors for safetensors, JSON-able rest)."""
+def _sharded_like(value: Tensor, param: DTensor) -> DTensor:
+    """A whole tensor cut like ``param``'s shards: each process keeps its own slice, with no communication
+    (every process reads the same checkpoint)."""
+    return distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)
+
+
+def _restore_model_(model: nn.Module, path: Path) -> None:
+    """Copy the checkpoint's tensors into the model's, in place and one tensor at a time (read from the
+    memory-mapped file): a sharded model takes each process's slice only, so resuming never holds the whole
+    model or a second copy of it."""
+    state = _unique_state(model)
+    with safe_open(str(path), framework="pt", device="cpu") as file:
+        saved = set(file.keys())
+        if saved != set(state):
+            raise ValueError(f"{path}: the checkpoint does not hold this model (missing: "
+                             f"{sorted(set(state) - saved)[:5]}, unexpected: {sorted(saved - set(state))[:5]})")
+        with torch.no_grad():
+            for name, target in state.items():
+                value = file.get_tensor(name)
+                target.copy_(_sharded_like(value, target) if isinstance(target, DTensor) else value)
+
+
+def _split_optimizer(optimizer: torch.optim.Optimizer, keep: bool) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """optimizer.state_dict() -> (tensors for safetensors, JSON-able rest); ``keep``: as ``_gathered``."""
     full = optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, entries in full["state"].items():
         for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{index}/{name}"] = _on_cpu(value)
+            if isinstance(value, Tensor):
+                tensors[f"{index}/{name}"] = value
             else:
                 scalars.setdefault(str(index), {})[name] = value
-    return tensors, {"param_groups": full["param_groups"], "scalars": scalars}
+    return _gathered(tensors, keep), {"param_groups": full["param_groups"], "scalars": scalars}
 
 
-def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+def _restored_optimizer(path: Path, optimizer: torch.optim.Optimizer, rest: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state dict of a checkpoint, read one tensor at a time; the state of a sharded parameter
+    that holds a value per element (AdamW's moments, not its step) is cut like the parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's index order
     state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in rest["scalars"].items()}
-    for key, value in tensors.items():
-        index, name = key.split("/", 1)
-        state.setdefault(int(index), {})[name] = value
+    with safe_open(str(path), framework="pt", device="cpu") as file:
+        for key in file.keys():
+            index, name = key.split("/", 1)
+            value, param = file.get_tensor(key), params[int(index)]
+            if isinstance(param, DTensor) and value.shape == param.shape:
+                value = _sharded_like(value, param)
+            state.setdefault(int(index), {})[name] = value
     return {"state": state, "param_groups": rest["param_groups"]}
 
 
@@ -113,8 +151,8 @@ def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.
     with ``write`` writes."""
     folder = Path(folder)
     target = folder / f"{_PREFIX}{step:08d}"
-    model_tensors = _model_tensors(model)
-    optimizer_tensors, optimizer_rest = _split_optimizer(optimizer)
+    model_tensors = _gathered(_unique_state(model), keep=write)
+    optimizer_tensors, optimizer_rest = _split_optimizer(optimizer, keep=write)
     if not write:
         return target
     with atomic_dir(target, overwrite=True) as tmp:
@@ -145,8 +183,8 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     if changed:
         diff = ", ".join(f"{k}: {saved.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)
         raise ValueError(f"cannot resume from {path}: the run differs from the checkpointed one ({diff})")
-    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
-    optimizer.load_state_dict(_join_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
+    _restore_model_(model, path / "model.safetensors")
+    optimizer.load_state_dict(_restored_optimizer(path / "optimizer.safetensors", optimizer, state["optimizer"]))
     rng = load_file(str(path / "rng.safetensors"))
     generator.set_state(rng["data"])
     torch.set_rng_state(rng["torch_cpu"])

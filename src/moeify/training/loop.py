@@ -242,39 +242,38 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     network = model if network is None else network
     model.train()
     try:
-        # Sharded, the masters are made a layer at a time as it is sharded, unless a checkpoint (of float32
-        # masters) is restored first into the whole model.
+        # Sharded, the masters are made a layer at a time as it is sharded, and a checkpoint is restored
+        # into the shards, so no process ever holds the whole training state.
         shard = distributed.fsdp()
-        upcast = not shard or (checkpointing is not None and checkpointing.resume)
-        with (mixed_precision(network, optimizer, device, upcast) as precision,
-              recomputed_layers(network, plan.recompute)):
+        with (mixed_precision(network, optimizer, device, upcast=not shard) as precision,
+              recomputed_layers(network, plan.recompute),
+              sharded(network, optimizer, device, replicated, enabled=shard) as shards):
             start, log = _start(model, optimizer, generator, precision, checkpointing, plan.steps)
             log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
             windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed) if plan.epoch_samples else None
             began = time.perf_counter()
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
                        disable=not progress or not is_main())
-            with sharded(network, optimizer, device, replicated, enabled=shard) as shards:
-                for step in bar:
-                    if plan.epoch_samples:
-                        batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
-                    else:
-                        batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
-                    sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, precision, seed, step)
-                    if plan.schedule is not None:
-                        scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
-                    precision.step(optimizer)
-                    if after_step is not None:
-                        after_step()
-                    log.append(sums)
-                    bar.set_postfix(loss=f"{sums['loss']:.4f}")
-                    done = step + 1
-                    if checkpointing is not None and (done == plan.steps or
-                                                      (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
-                        if shards is not None or is_main():  # sharded: every process gathers shards
-                            save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
-                                            checkpointing.fingerprint, precision.state(), write=is_main())
-                        barrier()
+            for step in bar:
+                if plan.epoch_samples:
+                    batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
+                else:
+                    batch = random_windows(stream, plan.seq_len, plan.batch_size, generator)
+                sums = _gradients(model, optimizer, batch, plan.grad_accum, loss_fn, precision, seed, step)
+                if plan.schedule is not None:
+                    scale_lr_(optimizer, plan.schedule.factor(step, plan.steps))
+                precision.step(optimizer)
+                if after_step is not None:
+                    after_step()
+                log.append(sums)
+                bar.set_postfix(loss=f"{sums['loss']:.4f}")
+                done = step + 1
+                if checkpointing is not None and (done == plan.steps or
+                                                  (plan.checkpoint_every and done % plan.checkpoint_every == 0)):
+                    if shards is not None or is_main():  # sharded: every process gathers shards
+                        save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
+                                        checkpointing.fingerprint, precision.state(), write=is_main())
+                    barrier()
             log.seconds = time.perf_counter() - began
     finally:
         model.eval()

@@ -17,10 +17,11 @@ losses by their share of the global batch, and the gradients are summed, not ave
 run takes the steps the replicated one takes, up to float summation order.
 
 A checkpoint reads the sharded model and optimizer as they are, gathering one tensor at a time to the CPU
-(``checkpoint.py``), so no device ever holds the whole training state. Leaving ``sharded`` turns the
-model back into the plain one (the same ``Parameter`` objects, holding the full trained tensors; the
-modules' own classes), which the rest of the conversion reads; the optimizer's state, no longer needed,
-is dropped rather than gathered.
+(``checkpoint.py``; only the process that writes keeps them), and a resume copies each process's slice of
+each saved tensor into its shards, one tensor at a time, so no device ever holds the whole training state.
+Leaving ``sharded`` turns the model back into the plain one (the same ``Parameter`` objects, holding the
+full trained tensors; the modules' own classes), which the rest of the conversion reads; the optimizer's
+state, no longer needed, is dropped rather than gathered.
 Undoing ``fully_shard`` has no public API (FSDP2 is meant to stay for a module's life): ``_detach`` removes
 what ``fully_shard`` attaches in torch 2.13 (its hooks, its class in the MRO, its state records) and is
 pinned by a test that trains sharded and compares the gathered model with unsharded training.
@@ -38,7 +39,6 @@ from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import distribute_tensor
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
@@ -87,8 +87,7 @@ class Shards:
         for unit in self.units:
             unit.set_gradient_divide_factor(1.0)  # a sum: the losses already carry each process's share
             unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
-        _shard_optimizer_(self.optimizer, {id(plain): module._parameters[name] for module, name, plain in self.owners},
-                          self.mesh)
+        _point_optimizer_(self.optimizer, {id(plain): module._parameters[name] for module, name, plain in self.owners})
         release_freed_memory()  # the full tensors freed above, on the CPU
 
     def gather(self) -> None:
@@ -117,20 +116,11 @@ class Shards:
                 module.__dict__.pop(flag, None)
 
 
-def _shard_optimizer_(optimizer: torch.optim.Optimizer, sharded: dict[int, nn.Parameter], mesh: DeviceMesh) -> None:
-    """Point ``optimizer`` at ``sharded[id(param)]`` for each of its parameters that has one, and shard each
-    tensor of its state that holds a value per element of the parameter (AdamW's moments, not its step)
-    like the parameter (a restored checkpoint's state)."""
+def _point_optimizer_(optimizer: torch.optim.Optimizer, sharded: dict[int, nn.Parameter]) -> None:
+    """Point ``optimizer`` at ``sharded[id(param)]`` for each of its parameters that has one. It has taken no
+    step yet, so it holds no state to move; a checkpoint's state is restored into the shards afterwards."""
     for group in optimizer.param_groups:
-        old_params = group["params"]
-        group["params"] = [sharded.get(id(p), p) for p in old_params]
-        for old, new in zip(old_params, group["params"]):
-            if new is old or old not in optimizer.state:
-                continue
-            optimizer.state[new] = {
-                key: distribute_tensor(value.to(new.device), mesh, new.placements)
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == new.shape else value
-                for key, value in optimizer.state.pop(old).items()}
+        group["params"] = [sharded.get(id(p), p) for p in group["params"]]
 
 
 def _whole(tensor: Tensor) -> Tensor:
@@ -156,8 +146,8 @@ def sharded(network: nn.Module, optimizer: torch.optim.Optimizer, device: torch.
             replicated: Iterable[nn.Parameter] = (), enabled: bool = True) -> Iterator[Shards | None]:
     """``network`` (a transformers causal LM) sharded over the processes inside the block, one unit per
     decoder layer plus the root; None when not ``enabled``. ``replicated``: parameters inside the layers
-    that stay whole (a loss uses them outside the layers' forward passes). Call it after a checkpoint, if
-    any, is restored: it shards the optimizer's state as it stands."""
+    that stay whole (a loss uses them outside the layers' forward passes). Call it before the optimizer's
+    first step, and restore a checkpoint inside the block (``checkpoint.py`` cuts it like the shards)."""
     if not enabled:
         yield None
         return
