@@ -85,10 +85,11 @@ def _prepare_and_train(method: str, ctx: Any, config: Any) -> dict[str, Any]:
         convert(ctx, dataclasses.replace(config, steps=0, warmup=0))
         _reset_peak()
         return finetune(ctx, config, seq_len)
+    from moeify.methods.tomoe.convert import resolve_attention
     from moeify.methods.tomoe.train import learned_masks
 
     _reset_peak()
-    with learned_masks(ctx, config, seq_len) as (_theta, _masked, log):
+    with learned_masks(ctx, resolve_attention(ctx, config)[0], seq_len) as (_theta, _masked, log):
         return log
 
 
@@ -97,8 +98,8 @@ def estimate(method: str, model: torch.nn.Module, trainable: int, batch: int, se
     """GiB by what holds them: float32 weights, their gradients and AdamW's two moments for the trainable
     ones, the activations a step keeps (with recomputation: every decoder layer's input plus one layer's
     working set, else every layer's; torch's scaled-dot-product attention is flash-style on CPU too and
-    keeps no (seq x seq) probabilities), one chunk of logits with its log-softmax and gradient, and the
-    process itself (torch and Python, measured)."""
+    keeps no (seq x seq) probabilities), one chunk of logits with its log-softmax and gradient (and ToMoE's
+    teacher log-probabilities and KL terms), and the process itself (torch and Python, measured)."""
     config = model.config
     d, d_ff, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     tokens = batch * seq_len
@@ -109,7 +110,8 @@ def estimate(method: str, model: torch.nn.Module, trainable: int, batch: int, se
     recomputed, kept = layers * tokens * d * 4 + layer_working, layers * layer_working
     from moeify.training.losses import CHUNK_TOKENS
 
-    logits = 3 * min(CHUNK_TOKENS, tokens) * config.vocab_size * 4
+    copies = 5 if method == "tomoe" else 3  # a KL's chunk also holds the teacher's log-probabilities and its terms
+    logits = copies * min(CHUNK_TOKENS, tokens) * config.vocab_size * 4
     parts = {"weights": params * 4, "grads": trainable * 4, "optimizer": trainable * 8,
              "activations": recomputed if recompute else kept, "logits": logits}
     return {name: value / GIB for name, value in parts.items()}, {"activations_without_recompute": kept / GIB,

@@ -108,6 +108,7 @@ class MethodMemory:
     train_tokens: int = 0
     recompute: bool = True
     extra_train_activations: int = 0  # bytes per token and layer beyond a plain decoder layer's
+    distillation: bool = False  # the loss is a KL against a teacher's log-probabilities (``training.losses``)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,13 @@ def _logits(shape: ModelShape, positions: int, nbytes: int) -> int:
     return min(positions, LOGIT_CHUNK) * shape.vocab * (nbytes + 8)
 
 
+def _teacher_logits(shape: ModelShape, positions: int) -> int:
+    """What a distillation loss's chunk holds beyond a cross-entropy's: the teacher's float32
+    log-probabilities and the KL's elementwise terms (measured: 5 float32 chunk-sized tensors at its peak
+    for 1,024 positions of a 49,152-word vocabulary, a cross-entropy's backward 3)."""
+    return min(positions, LOGIT_CHUNK) * shape.vocab * 8
+
+
 def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
                 inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True, layer_by_layer: bool = False,
                 eval_tokens: int | None = None, shards: int = 1) -> MemoryPlan:
@@ -184,6 +192,8 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
         phases["train"] = {"weights": weights, "converted weights": written, "trained copy": copy,
                            "gradients": trained, "optimizer": 2 * trained, "activations": kept,
                            "logits": _logits(shape, tokens, ab)}
+        if method.distillation:
+            phases["train"]["teacher log-probabilities"] = _teacher_logits(shape, tokens)
         if shards > 1 and method.trainable >= shape.params:
             phases.update(_sharded_training(shape, phases.pop("train"), shards))
     phases["evaluate MoE"] = {**evaluation, "converted weights": written,
@@ -247,7 +257,8 @@ def calibration_seq_len(shape: ModelShape, cfg: Any) -> int:
 
 
 def method_memory(shape: ModelShape, cfg: Any, nbytes: int, *, layer_statistics: int | None = None,
-                  trainable: int | None = None, extra_train_activations: int = 0) -> MethodMemory:
+                  trainable: int | None = None, extra_train_activations: int = 0,
+                  distillation: bool = False) -> MethodMemory:
     """A method's part of the estimate from its config's common options: ``calib_samples`` x the
     calibration window; the training phase of ``steps`` (every parameter trained, unless ``trainable``
     says otherwise) or of a LoRA fine-tune (``finetune_steps`` / ``finetune_samples``: LoRA's own
@@ -264,4 +275,4 @@ def method_memory(shape: ModelShape, cfg: Any, nbytes: int, *, layer_statistics:
     train_seq = (getattr(cfg, "finetune_seq_len", None) or seq) if finetunes else seq
     count = 0 if finetunes else (shape.params if trainable is None else trainable)
     return MethodMemory(calib, memory.layer_statistics, count, batch // cfg.grad_accum * train_seq, cfg.recompute,
-                        extra_train_activations)
+                        extra_train_activations, distillation)

@@ -9,7 +9,7 @@ from moeify.arch import DecoderAdapter
 from moeify.methods.tomoe import TomoeConfig
 from moeify.methods.tomoe.convert import budget_threshold, convert, mlp_cost, widened_experts
 from moeify.methods.tomoe.modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
-from moeify.methods.tomoe.train import MaskedModel, TomoeModules, f_reg
+from moeify.methods.tomoe.train import MaskedModel, TomoeModules, f_reg, learned_masks
 from moeify.moe.accounting import activated_parameters
 from moeify.options import OptionError, build_config
 from moeify.runtime.attention import PrunedAttention
@@ -99,6 +99,18 @@ def test_conversion_meets_the_budget_and_pseudo_moe_gives_the_same_logits(family
     out = moeify.save(ConversionResult(model, tokenizer, {"method": "tomoe"}), tmp_path / "out")
     with torch.no_grad():
         assert torch.allclose(moeify.load(out)(IDS).logits, gathered, atol=1e-5, rtol=0)  # bitwise: alignment-dependent
+
+
+def test_training_keeps_no_token_statistics_past_the_step(make_ctx):
+    """The backward pass recomputes every layer, masks included: statistics kept from that pass would hold
+    its graph, every layer's activations in it, until the next step (0.9 GiB on SmolLM2 at 4 x 256)."""
+    ctx = make_ctx(clone(tiny_model("llama", **STORIES_VOCAB)))
+    cfg = TomoeConfig(**{**FAST, "attention": "on"})
+    with learned_masks(ctx, cfg, cfg.seq_len) as (_, masked, log):
+        assert log["steps"] == 3 and masked.mlps and masked.attention
+        assert all(mlp.soft is None and mlp.hard is None for mlp in masked.mlps)
+        assert all(m.tokens_kept is None and m.qk_kept is None and m._token_masks is None and m._qk_masks is None
+                   for m in masked.attention)
 
 
 def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_path, monkeypatch):

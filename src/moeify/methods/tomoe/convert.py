@@ -44,13 +44,20 @@ from moeify.runtime.routers import ArgmaxRouter
 CURVES_PNG = "tomoe_training.png"
 
 
-def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
-    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
+def resolve_attention(ctx: ConversionContext, cfg: TomoeConfig) -> tuple[TomoeConfig, str | None]:
+    """``cfg`` with ``attention=auto`` made on or off for this model, and why attention cannot be on here
+    (None: it can); ``attention=on`` where it cannot is refused."""
     blocker = head_dim_support(ctx.adapter.attention_module(0))
     if cfg.attention == "on" and blocker:
         raise OptionError(f"attention=on is not possible for this model: {blocker}; use attention=off")
     if cfg.attention == "auto":
         cfg = replace(cfg, attention="off" if blocker else "on")
+    return cfg, blocker
+
+
+def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
+    require_work_dir_for_resume(cfg.resume, ctx.work_dir)
+    cfg, blocker = resolve_attention(ctx, cfg)
     seq_len = cfg.effective_seq_len(ctx.model.config)
     with learned_masks(ctx, cfg, seq_len) as (theta, masked, log):
         structure = convert_(ctx, theta, masked, cfg, seq_len)

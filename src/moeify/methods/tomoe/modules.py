@@ -12,7 +12,10 @@
   hidden neurons masked by s = ST-GSig(Proj_D^MLP(G E)) (Eq. 2-3); the dense weights stay frozen.
 - ``AttentionMasks`` puts hooks on a LLaMA-style attention: q/k outputs times s_0' (s_0's first half
   repeated, Appendix A.2), v outputs and the o_proj input times s_t (Eq. 4-5).
-Both switch off (``enabled = False``) for the in-place teacher pass (Listing 1).
+Both switch off (``enabled = False``) for the in-place teacher pass (Listing 1). Both keep the token
+statistics the regularisers read only while ``recording``: a decoder layer recomputed in the backward pass
+(``training/recompute.py``) runs them again, and statistics kept from that pass would hold its graph, and
+every layer's activations in it, until the next step.
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ class LayerModules(nn.Module):
 class MaskedMLP(nn.Module):
     """A frozen dense MLP whose tokens each run one learned expert (Eq. 2-3), during training.
 
-    After a forward pass: ``hard`` (tokens, N) one-hot decisions and ``soft`` their Gumbel-softmax
-    probabilities, for the load-balancing loss (Eq. 9)."""
+    After a forward pass while ``recording``: ``hard`` (tokens, N) one-hot decisions and ``soft`` their
+    Gumbel-softmax probabilities, for the load-balancing loss (Eq. 9)."""
 
     def __init__(self, weights: MlpWeights, modules: LayerModules, tau: float, mask_noise: str = "gumbel",
                  layer: int = 0) -> None:
@@ -116,6 +119,7 @@ class MaskedMLP(nn.Module):
         self.embeddings: Tensor | None = None  # E_l, set before every step
         self.enabled = True
         self.noise: str | None = mask_noise  # None: the deterministic masks of the converted model
+        self.recording = False
         self.hard: Tensor | None = None
         self.soft: Tensor | None = None
 
@@ -124,9 +128,10 @@ class MaskedMLP(nn.Module):
             return self.weights.forward(hidden_states)
         # the learned modules stay in float32 whatever the model's dtype: cast in, and the masks back out
         x = hidden_states.to(self.embeddings.dtype)
-        g, self.soft = st_gumbel_softmax(self.modules_.router(x), self.tau, self.noise is not None,
-                                         ("router", self.layer))                                      # Eq. 3
-        self.hard = g.detach()
+        g, soft = st_gumbel_softmax(self.modules_.router(x), self.tau, self.noise is not None,
+                                    ("router", self.layer))                                           # Eq. 3
+        if self.recording:
+            self.hard, self.soft = g.detach(), soft
         s = st_gumbel_sigmoid(self.modules_.proj_mlp(g @ self.embeddings), self.tau, self.noise,
                               ("mlp_mask", self.layer))                                              # s: Eq. 3
         w = self.weights
@@ -137,8 +142,10 @@ class AttentionMasks:
     """Hooks that mask a LLaMA-style attention's head dimension during training (Eq. 4-5).
 
     ``projections`` are the attention's q/k/v/o by role (``DecoderAdapter.attention_projections``), so
-    the family's module names stay in ``arch``. ``tokens_kept`` holds, after a forward pass, s_t for every
-    token (tokens, head_dim), for the union and parameter regularisers; ``qk_kept`` holds s_0' (head_dim,)."""
+    the family's module names stay in ``arch``. ``tokens_kept`` holds, after a forward pass while
+    ``recording``, s_t for every token (tokens, head_dim), for the union and parameter regularisers, and
+    ``qk_kept`` s_0' (head_dim,); ``token_logits`` (detached) what the conversion thresholds. The masks the
+    projections' hooks apply live for one attention forward pass."""
 
     def __init__(self, attn: nn.Module, projections: dict[str, nn.Linear], modules: LayerModules,
                  tau: float, mask_noise: str = "gumbel", layer: int = 0) -> None:
@@ -146,14 +153,17 @@ class AttentionMasks:
         self.mean_embedding: Tensor | None = None  # (1/N) 1^T E, set before every step
         self.enabled = True
         self.noise: str | None = mask_noise
+        self.recording = False
         self.tokens_kept: Tensor | None = None
         self.token_logits: Tensor | None = None
         self.qk_kept: Tensor | None = None
+        self._qk_masks: Tensor | None = None
         self._token_masks: Tensor | None = None
         self._handles: list[RemovableHandle] = [
             attn.register_forward_pre_hook(self._masks, with_kwargs=True),
-            projections["q"].register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
-            projections["k"].register_forward_hook(lambda _m, _i, out: self._apply(out, self.qk_kept)),
+            attn.register_forward_hook(self._forget),
+            projections["q"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._qk_masks)),
+            projections["k"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._qk_masks)),
             projections["v"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._token_masks)),
             projections["o"].register_forward_pre_hook(lambda _m, args: (self._apply(args[0], self._token_masks),)),
         ]
@@ -165,11 +175,16 @@ class AttentionMasks:
         m = self.modules_
         half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise, ("qk_mask", self.layer),
                                  per_window=False)                                       # s_0: Eq. 5 at t = 0
-        self.qk_kept = torch.cat([half, half])                                           # Appendix A.2
+        self._qk_masks = torch.cat([half, half])                                         # Appendix A.2
         logits = m.proj_vo(m.proj_e(x.to(self.mean_embedding.dtype)) + self.mean_embedding)  # float32 modules
         self.token_logits = logits.detach()  # what the conversion thresholds
         self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise, ("vo_mask", self.layer))  # s_t: Eq. 5
-        self.tokens_kept = self._token_masks.reshape(-1, self.head_dim)
+        if self.recording:
+            self.qk_kept, self.tokens_kept = self._qk_masks, self._token_masks.reshape(-1, self.head_dim)
+
+    def _forget(self, *_: object) -> None:
+        """The pass's masks go with it (they hold its graph)."""
+        self._qk_masks = self._token_masks = None
 
     def _apply(self, out: Tensor, mask: Tensor) -> Tensor:
         if not self.enabled:

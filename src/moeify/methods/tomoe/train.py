@@ -101,11 +101,28 @@ class MaskedModel:
         for part in (*self.mlps, *self.attention):
             part.enabled = on
 
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """The masks keep the token statistics of the passes inside the block for ``regularisers``, and
+        drop them on leaving it (what the backward pass recomputes is not kept: ``modules``)."""
+        parts = (*self.mlps, *self.attention)
+        for part in parts:
+            part.recording = True
+        try:
+            yield
+        finally:
+            for part in parts:
+                part.recording = False
+            for mlp in self.mlps:
+                mlp.hard = mlp.soft = None
+            for masks in self.attention:
+                masks.qk_kept = masks.tokens_kept = None
+
     def regularisers(self, embeddings: Tensor) -> dict[str, Tensor]:
-        """R_P, R_U, R_L of the last student pass, and the activated ratio T / T_total it implies. Their
-        token statistics (R_L's F and P, the attention widths and unions) are those of the step's whole
-        micro-batch, every process's share of it (``batch_statistics``), so a run does not depend on how
-        many processes share the batch."""
+        """R_P, R_U, R_L of the student pass recorded (``recording``), and the activated ratio T / T_total
+        it implies. Their token statistics (R_L's F and P, the attention widths and unions) are those of the
+        step's whole micro-batch, every process's share of it (``batch_statistics``), so a run does not
+        depend on how many processes share the batch."""
         adapter = self.ctx.adapter
         n = self.cfg.num_experts
         routed = [(mlp.hard.reshape(-1, n), mlp.soft.reshape(-1, n)) for mlp in self.mlps]
@@ -203,8 +220,9 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
             masked.set_enabled(False)
             teacher = final_hidden_states(ctx.model, batch)
             masked.set_enabled(True)
-        kd = distillation_kl(ctx.model, teacher, final_hidden_states(ctx.model, batch))  # KL(teacher || student)
-        reg = masked.regularisers(embeddings)
+        with masked.recording():
+            kd = distillation_kl(ctx.model, teacher, final_hidden_states(ctx.model, batch))  # KL(teacher || student)
+            reg = masked.regularisers(embeddings)
         total = kd + cfg.alpha * reg["r_p"] + cfg.beta * reg["r_u"] + cfg.gamma * reg["r_l"]  # Eq. 10
         return {"loss": total, "kd": kd, **reg}
 
@@ -223,6 +241,7 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
 def memory(shape: ModelShape, cfg: TomoeConfig, nbytes: int) -> MethodMemory:
     """The weights stay frozen: what trains is Theta (per layer Proj_D^MLP's 128 x d_mid and the d x N
     router; the hypernetwork and attention projections are smaller), and the masked MLPs keep their
-    (tokens, d_mid) masks and masked activations for the backward pass."""
+    (tokens, d_mid) masks and masked activations for the backward pass; the loss is a distillation KL."""
     trainable = shape.layers * (EMBED_DIM * shape.intermediate + shape.hidden * cfg.num_experts)
-    return method_memory(shape, cfg, nbytes, trainable=trainable, extra_train_activations=2 * shape.intermediate * 4)
+    return method_memory(shape, cfg, nbytes, trainable=trainable, extra_train_activations=2 * shape.intermediate * 4,
+                         distillation=True)
