@@ -5,16 +5,21 @@ moeify's qwen2_moe export exact; granitemoeshared keeps the shared MLP always on
 how llama.cpp's own Granite code (src/models/granite.cpp) computes it. This converts the export to GGUF
 with llama.cpp's own converter (float32), decodes 64 tokens greedily for the 8 prompts of
 ``serve_vllm.py`` with llama-cpp-python, and compares them with moeify's native model (where a sequence
-parts, the native model's top-2 logit margin there says whether it was a near-tie). One JSON line per
-format is appended to ``--out``; the qwen2_moe export is tried too (llama.cpp's converter may refuse it:
-the row says why).
+parts, the native model's top-2 logit margin there says whether it was a near-tie). Then, teacher-forced
+on the native greedy sequences, llama.cpp's logits at every position against the native model's: the
+largest difference, the positions whose argmax is not the native token and the native margin there, and,
+for a routed model, the smallest routing-score gap at the largest difference's position (a routing
+near-tie that the engine's rounding breaks the other way moves more than a tie of the output). The
+dense SmolLM2 goes through the same steps first: what llama.cpp's float32 arithmetic does to the model
+it was converted from is the yardstick for the export's rows. One JSON line per row is appended to
+``--out``; the qwen2_moe export is tried too (llama.cpp's converter may refuse it: the row says why).
 
 llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU); its source archive holds
 the converter:
 
     pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/llama && \\
         tar xzf /tmp/llama/llama_cpp_python-0.3.36.tar.gz -C /tmp/llama
-    pip install llama-cpp-python==0.3.36
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install /tmp/llama/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/serve_llamacpp.py --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 The MoRE conversion and its exports are those of ``serve_vllm.py`` (made if absent, in ``--work``).
@@ -24,16 +29,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from serve_vllm import EVAL, dense_folder, exported, prompts  # this folder is on sys.path when run
+from torch import Tensor, nn
 
 OUT = Path(__file__).resolve().parent / "results" / "serve_llamacpp.jsonl"
-ROWS = ("more-granitemoeshared", "more")  # granitemoeshared, and qwen2_moe beside it
+ROWS = ("dense", "more-granitemoeshared", "more")  # the engine on the dense model; granitemoeshared; qwen2_moe
 
 
 def to_gguf(converter: Path, folder: Path) -> Path:
@@ -46,24 +53,64 @@ def to_gguf(converter: Path, folder: Path) -> Path:
     return out
 
 
-def llama_tokens(gguf: Path, ids: list[list[int]], new_tokens: int) -> tuple[list[list[int]], bool]:
-    """Greedy continuations by llama.cpp (EOS not special), and whether any logit was NaN."""
+def llama_runs(gguf: Path, ids: list[list[int]],
+               expected: list[list[int]]) -> tuple[list[list[int]], list[Tensor], bool]:
+    """llama.cpp's greedy continuations of ``ids`` as long as ``expected``'s (EOS not special), its
+    teacher-forced logits on the ``expected`` tokens, and whether any logit was NaN."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=256, logits_all=True, verbose=False, seed=0)  # scores kept
-    out, nan = [], False
-    for prompt in ids:
+    greedy, forced, nan = [], [], False
+    for prompt, tokens in zip(ids, expected):
         llm.reset()
         llm.eval(prompt)
-        tokens = []
-        for _ in range(new_tokens):
+        out = []
+        for _ in tokens:
             logits = llm.scores[llm.n_tokens - 1]
-            nan |= any(math.isnan(float(v)) for v in logits)
-            token = int(logits.argmax())
-            tokens.append(token)
-            llm.eval([token])
-        out.append(tokens)
-    return out, nan
+            nan |= bool(np.isnan(logits).any())
+            out.append(int(logits.argmax()))
+            llm.eval([out[-1]])
+        greedy.append(out)
+        llm.reset()
+        llm.eval(prompt + tokens)
+        scores = np.array(llm.scores[len(prompt) - 1:len(prompt) + len(tokens) - 1])
+        nan |= bool(np.isnan(scores).any())
+        forced.append(torch.from_numpy(scores))
+    return greedy, forced, nan
+
+
+@torch.no_grad()
+def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], position: int) -> dict[str, float] | None:
+    """Over the native model's routed layers, the smallest gap between the k-th and the (k+1)-th routing
+    score of the export's linear routers (x @ W.T) at ``position`` of the forced sequence, and the median of
+    that smallest gap over the sequence's positions; None for a model without linear routers. A gap near
+    zero is a routing choice that float rounding may make either way: the engine then runs another expert
+    for that token, and the difference spreads to the positions after it through attention."""
+    from moeify.runtime.moe import MoeMLP
+    from moeify.runtime.routers import NotLinear
+
+    routers = [m.router for m in model.modules() if isinstance(m, MoeMLP) and m.router is not None]
+    try:
+        forms = [router.linear_form() for router in routers]
+    except NotLinear:
+        return None
+    if not routers:
+        return None
+    inputs: list[Tensor] = []
+    handles = [router.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach()))
+               for router in routers]
+    try:
+        model(input_ids=torch.tensor([prompt + tokens]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    gaps = []
+    for form, x in zip(forms, inputs):
+        top = (x.reshape(-1, x.shape[-1]).double() @ form.weight.T).topk(form.top_k + 1, dim=-1).values
+        gaps.append(top[:, form.top_k - 1] - top[:, form.top_k])
+    smallest = torch.stack(gaps).min(dim=0).values[len(prompt) - 1:-1]  # the positions that predict ``tokens``
+    return {"router_gap_at_largest_difference": float(smallest[position]),
+            "median_router_gap": float(smallest.median())}
 
 
 def main() -> None:
@@ -76,15 +123,16 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import moeify
-    from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens
+    from moeify.evaluation.serving import compare_tokens, forced_agreement, forced_logits, margins_at, native_tokens
 
     args.work.mkdir(parents=True, exist_ok=True)
     eval_text = args.work / "wikitext2_raw_test_first20000.txt"
     eval_text.write_text(EVAL.read_text()[:20000])
     converter = args.llama_cpp / "convert_hf_to_gguf.py"
-    ids = prompts(AutoTokenizer.from_pretrained(dense_folder(args.work)))
+    dense = dense_folder(args.work)
+    ids = prompts(AutoTokenizer.from_pretrained(dense))
     for row in ROWS:
-        native, export = exported(row, args.work, eval_text)
+        native, export = (dense, dense) if row == "dense" else exported(row, args.work, eval_text)
         result: dict[str, Any] = {"row": row, "format": json.loads((export / "config.json").read_text())["model_type"],
                                   "engine": "llama.cpp (llama-cpp-python), f32 GGUF"}
         try:
@@ -94,9 +142,13 @@ def main() -> None:
         else:
             model = moeify.load_model(str(native), dtype="float32")[0]
             expected = native_tokens(model, ids, args.new_tokens)
-            tokens, nan = llama_tokens(gguf, ids, args.new_tokens)
+            tokens, forced, nan = llama_runs(gguf, ids, expected)
             result.update(nan_logits=nan, **compare_tokens(expected, tokens))
             result["native_margin_at_difference"] = margins_at(model, ids, expected, result["first_difference"])
+            native_logits = [forced_logits(model, p, t) for p, t in zip(ids, expected)]
+            result.update(forced_agreement(expected, native_logits, forced))
+            sequence, position = result["max_abs_logit_diff_at"]
+            result["routing"] = routing_gaps(model, ids[sequence], expected[sequence], position)
         print(json.dumps(result), flush=True)
         with args.out.open("a") as f:
             f.write(json.dumps(result) + "\n")

@@ -2,7 +2,14 @@
 
 import torch
 
-from moeify.evaluation.serving import compare_tokens, margins_at, native_tokens, root_cause
+from moeify.evaluation.serving import (
+    compare_tokens,
+    forced_agreement,
+    forced_logits,
+    margins_at,
+    native_tokens,
+    root_cause,
+)
 from tests.helpers.tiny_models import tiny_model
 
 
@@ -22,6 +29,25 @@ def test_native_greedy_decoding_with_the_cache_is_the_argmax_of_the_full_forward
             assert logits.argmax(dim=-1).tolist() == continuation
     margins = margins_at(model, prompts, tokens, [None, 2])
     assert margins[0] is None and margins[1] >= 0
+
+
+def test_teacher_forced_agreement_counts_broken_ties_and_measures_logit_gaps():
+    model = tiny_model("llama").eval()
+    prompts = [[5, 9, 11], [7, 3]]
+    tokens = native_tokens(model, prompts, 6)
+    native = [forced_logits(model, p, t) for p, t in zip(prompts, tokens)]
+    assert [n.argmax(dim=-1).tolist() for n in native] == tokens
+    same = forced_agreement(tokens, native, [n.clone() for n in native])
+    assert same == {"forced_positions": 12, "max_abs_logit_diff": 0.0, "max_abs_logit_diff_at": [0, 0],
+                    "median_position_logit_diff": 0.0, "argmax_differences": 0,
+                    "largest_native_margin_at_a_difference": None}
+    engine = [n.clone() for n in native]
+    engine[1][4, tokens[1][4]] -= 100.0  # one position's native token demoted: a broken choice
+    result = forced_agreement(tokens, native, engine)
+    top = native[1][4].topk(2).values
+    assert result["argmax_differences"] == 1 and result["max_abs_logit_diff"] == 100.0
+    assert result["max_abs_logit_diff_at"] == [1, 4] and result["median_position_logit_diff"] == 0.0
+    assert result["largest_native_margin_at_a_difference"] == float(top[0] - top[1])
 
 
 def test_a_failed_engine_is_reported_by_its_root_cause_not_the_clients_generic_error():

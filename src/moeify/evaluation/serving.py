@@ -8,6 +8,8 @@ involved), decoding is greedy with the end-of-sequence token ignored, in eager m
 the kernels vLLM would run anyway). ``native_tokens`` decodes the same way with moeify's native model;
 ``compare_tokens`` says which sequences agree and where the first one that does not parts, ``margins_at``
 how close the native model's top two logits were there (a tie another engine's rounding may break).
+``forced_logits`` and ``forced_agreement`` compare an engine's logits with the native model's on the native
+greedy sequences themselves (teacher forcing), so one broken tie does not hide the rest of a sequence.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 KV_CACHE_GIB = "1"  # vLLM CPU's KV cache (VLLM_CPU_KVCACHE_SPACE); the checks use short sequences
 
@@ -105,6 +107,35 @@ def margins_at(model: nn.Module, prompts: list[list[int]], expected: list[list[i
         top = logits.topk(2).values
         out.append(float(top[0] - top[1]))
     return out
+
+
+@torch.no_grad()
+def forced_logits(model: nn.Module, prompt: list[int], tokens: list[int]) -> Tensor:
+    """(len(tokens), vocab) float32 CPU: the logits that predict each of ``tokens`` after ``prompt`` and the
+    tokens before it, in one forward pass (teacher forcing)."""
+    ids = torch.tensor([prompt + tokens], device=next(model.parameters()).device)
+    return model(input_ids=ids).logits[0, len(prompt) - 1:-1].float().cpu()
+
+
+def forced_agreement(expected: list[list[int]], native: list[Tensor], engine: list[Tensor]) -> dict[str, Any]:
+    """An engine's teacher-forced logits (``engine``, one (tokens, vocab) tensor per sequence) against the
+    native model's (``native``) on the native greedy ``expected`` tokens: the largest logit difference and
+    where it is ([sequence, position]), the median over positions of each position's largest difference,
+    how many positions' argmax is not the native token, and the native top-2 margin at the widest of those
+    (a near-tie: the engines' float rounding breaks it either way)."""
+    per_position, parted, margins = [], 0, []
+    for tokens, ours, theirs in zip(expected, native, engine):
+        per_position.append((ours - theirs).abs().max(dim=-1).values)
+        wrong = theirs.argmax(dim=-1) != torch.tensor(tokens)
+        top = ours.topk(2, dim=-1).values
+        parted += int(wrong.sum())
+        margins += (top[:, 0] - top[:, 1])[wrong].tolist()
+    largest = max(range(len(per_position)), key=lambda i: float(per_position[i].max()))
+    return {"forced_positions": sum(len(t) for t in expected),
+            "max_abs_logit_diff": float(per_position[largest].max()),
+            "max_abs_logit_diff_at": [largest, int(per_position[largest].argmax())],
+            "median_position_logit_diff": float(torch.cat(per_position).median()),
+            "argmax_differences": parted, "largest_native_margin_at_a_difference": max(margins, default=None)}
 
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
