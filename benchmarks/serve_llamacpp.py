@@ -90,11 +90,11 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
     from moeify.runtime.routers import NotLinear
 
     routers = [m.router for m in model.modules() if isinstance(m, MoeMLP) and m.router is not None]
+    if not routers:
+        return None
     try:
         forms = [router.linear_form() for router in routers]
     except NotLinear:
-        return None
-    if not routers:
         return None
     inputs: list[Tensor] = []
     handles = [router.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach()))
