@@ -151,9 +151,9 @@ def _logits(shape: ModelShape, positions: int, nbytes: int) -> int:
 
 
 def _teacher_logits(shape: ModelShape, positions: int) -> int:
-    """What a distillation loss's chunk holds beyond a cross-entropy's: the teacher's float32
-    log-probabilities and the KL's elementwise terms (measured: 5 float32 chunk-sized tensors at its peak
-    for 1,024 positions of a 49,152-word vocabulary, a cross-entropy's backward 3)."""
+    """What a distillation loss's chunk holds beyond a cross-entropy's (``training.losses._chunk_kl``): the
+    teacher's float32 log-probabilities beside the student's, and the KL's elementwise terms before their
+    sum, two more float32 chunk-sized tensors."""
     return min(positions, LOGIT_CHUNK) * shape.vocab * 8
 
 
