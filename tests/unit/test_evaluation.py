@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeify.calibration.data import DataError, TextSource, calibration_batches, read_text, token_stream
-from moeify.evaluation.perplexity import perplexity
+from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import activated_parameters, tracking_routing
@@ -66,6 +66,37 @@ def test_sliding_and_bos_per_doc_protocols(stories, eval_text):
     assert per_doc.tokens == sum(len(tokenizer(d, verbose=False)["input_ids"]) for d in docs) - per_doc.windows
     with pytest.raises(ValueError, match="stride is required by, and only by"):
         perplexity(model, tokenizer, short, seq_len=256, protocol="sliding")
+
+
+def _scored(nlls: list[float], tokens: list[int]) -> Perplexity:
+    mean = sum(nlls) / sum(tokens)
+    return Perplexity(math.exp(mean), mean, sum(tokens), len(tokens), 64, "sha", "windows",
+                      window_nll=tuple(nlls), window_tokens=tuple(tokens))
+
+
+def test_relative_change_is_paired_over_windows(stories, eval_text):
+    """Per-window sums add up to the perplexity; a model against itself changes by 0 +- 0; a constant
+    per-token shift has no sampling error; the error of uneven shifts is the spread of the window means."""
+    model, tokenizer = stories
+    short = TextSource("short", eval_text.text[:6000])
+    result = perplexity(model, tokenizer, short, seq_len=128)
+    assert len(result.window_nll) == result.windows == len(result.window_tokens)
+    assert sum(result.window_tokens) == result.tokens
+    assert math.fsum(result.window_nll) / result.tokens == pytest.approx(result.nll, rel=1e-12)
+    assert "window_nll" not in result.as_dict()
+    assert relative_change(result, result) == (0.0, 0.0)
+
+    base = _scored([10.0, 20.0, 30.0, 40.0], [10, 10, 10, 10])
+    shifted = _scored([11.0, 21.0, 31.0, 41.0], [10, 10, 10, 10])  # +0.1 nats on every token
+    change, error = relative_change(base, shifted)
+    assert change == pytest.approx(math.exp(0.1) - 1) and error == pytest.approx(0.0, abs=1e-12)
+    uneven = _scored([12.0, 20.0, 32.0, 40.0], [10, 10, 10, 10])  # window means +0.2, 0, +0.2, 0
+    change, error = relative_change(base, uneven)
+    # D = 0.1; residuals per window (d_w - D t_w) = +-1; sqrt(4 * 4 / 3) / 40 nats, times exp(D)
+    assert change == pytest.approx(math.exp(0.1) - 1)
+    assert error == pytest.approx(math.exp(0.1) * math.sqrt(16 / 3) / 40)
+    with pytest.raises(ValueError, match="same text in the same windows"):
+        relative_change(base, _scored([1.0, 2.0], [10, 30]))
 
 
 def test_activated_parameters_by_hand(make_ctx):

@@ -24,7 +24,7 @@ The logits are computed ``LOGIT_CHUNK`` scored positions at a time from the fina
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -51,9 +51,35 @@ class Perplexity:
     sha256: str
     protocol: str
     stride: int | None = None
+    # per window, in evaluation order: its summed NLL and scored tokens (for paired comparisons; not recorded)
+    window_nll: tuple[float, ...] = field(default=(), repr=False)
+    window_tokens: tuple[int, ...] = field(default=(), repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        del record["window_nll"], record["window_tokens"]
+        return record
+
+
+def relative_change(base: Perplexity, other: Perplexity) -> tuple[float, float]:
+    """(other.ppl / base.ppl - 1, its standard error) of two models scored on the same windows.
+
+    The error is the sampling error of the text, paired: the mean per-token NLL difference varies with
+    which windows are scored, and windows are the independent units (a window's tokens share a context,
+    and a change in a model's hard decisions, a router's or a threshold's, moves a whole window's losses
+    together). Its standard error is that of a ratio of per-window sums, d_w - D t_w around the mean
+    difference D, scaled to the relative perplexity change by exp(D). A model compared with itself
+    scores (0, 0)."""
+    if base.window_tokens != other.window_tokens or base.sha256 != other.sha256 or not base.window_tokens:
+        raise ValueError("relative_change needs two evaluations of the same text in the same windows")
+    tokens = torch.tensor(base.window_tokens, dtype=torch.float64)
+    diff = torch.tensor(other.window_nll, dtype=torch.float64) - torch.tensor(base.window_nll, dtype=torch.float64)
+    mean = float(diff.sum() / tokens.sum())
+    n = len(tokens)
+    residual = diff - mean * tokens
+    stderr = math.sqrt(float((residual ** 2).sum()) * n / max(n - 1, 1)) / float(tokens.sum()) if n > 1 else math.nan
+    change = math.exp(other.nll - base.nll)
+    return change - 1, change * stderr
 
 
 def _stream(source: TextSource, tokenizer: Any, protocol: str) -> Tensor:
@@ -91,7 +117,8 @@ def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: in
     windows = _scored_windows(_stream(source, tokenizer, protocol), seq_len, stride)[:max_windows]
     device = next(model.parameters()).device
     head = output_head(model)
-    total_nll, total_tokens = 0.0, 0
+    window_nll: list[float] = []
+    window_tokens: list[int] = []
     groups: dict[tuple[int, int], list[Tensor]] = {}
     for window, skip in windows:  # equal shapes batch together
         groups.setdefault((len(window), skip), []).append(window)
@@ -105,9 +132,12 @@ def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: in
         final = final_hidden_states(model, batch) if layered is None else layered[index]
         hidden = final[:, skip - 1:-1].flatten(0, 1)  # the positions predicting skip..
         targets = batch[:, skip:].flatten()
-        for h, t in zip(hidden.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):  # never a whole batch's logits
-            total_nll += float(nn.functional.cross_entropy(head(h).float(), t, reduction="sum"))
-        total_tokens += targets.numel()
-    mean = total_nll / total_tokens
+        losses = torch.cat([nn.functional.cross_entropy(head(h).float(), t, reduction="none")  # never a whole
+                            for h, t in zip(hidden.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK))])  # batch's logits
+        window_nll += losses.view(len(batch), -1).double().sum(dim=1).tolist()
+        window_tokens += [batch.shape[1] - skip] * len(batch)
+    total_tokens = sum(window_tokens)
+    mean = math.fsum(window_nll) / total_tokens
     return Perplexity(ppl=math.exp(mean), nll=mean, tokens=total_tokens, windows=len(windows), seq_len=seq_len,
-                      sha256=source.sha256, protocol=protocol, stride=stride)
+                      sha256=source.sha256, protocol=protocol, stride=stride, window_nll=tuple(window_nll),
+                      window_tokens=tuple(window_tokens))

@@ -176,6 +176,8 @@ class Glm4Moe:
         width, shared = packed_widths([e.width for p in moe for e in p.experts],
                                       [p.shared.width for p in moe if p.routed])
         dense_after = _max([p.shared.width for p in moe if not p.routed])
+        # at least one shared expert, zero if the source has no shared part: transformers cannot build None,
+        # and vLLM's CPU build dies (SIGFPE) loading a zero-width one
         n_shared = max(1, math.ceil(shared / width), math.ceil((dense_after - width) / width))
         rope = {**source.base_fields()["rope_parameters"], "partial_rotary_factor": source.rotary_fraction}
         dense_width = _max([p.shared.width for p in parts[:k]], source.config.intermediate_size)
