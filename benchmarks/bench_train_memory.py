@@ -1,5 +1,6 @@
 """Peak memory and time of training steps of every training method on a real model (SmolLM2-135M by
-default), beside an estimate from parameter, gradient, optimizer-state and activation counts.
+default), beside ``moeify plan``'s estimate of the training phase for the same options (weights,
+gradients and AdamW moments of what is trained, activations, logits chunks, the process).
 
 Each (method, shape) runs in a fresh process: the model is loaded and prepared for training (CMoE carved
 on 2 calibration windows, DSMoE partitioned, Dense2MoE's layers fused, ToMoE's masks in place), the
@@ -25,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from moeify.api.plan import method_plan
+from moeify.methods import get_method
+from moeify.planning import ModelShape
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 SMOLLM2 = ASSETS / "models" / "smollm2-135m-instruct"
@@ -93,64 +98,53 @@ def _prepare_and_train(method: str, ctx: Any, config: Any) -> dict[str, Any]:
         return log
 
 
-def estimate(method: str, model: torch.nn.Module, trainable: int, batch: int, seq_len: int,
-             recompute: bool) -> dict[str, float]:
-    """GiB by what holds them: float32 weights, their gradients and AdamW's two moments for the trainable
-    ones, the activations a step keeps (with recomputation: every decoder layer's input plus one layer's
-    working set, else every layer's; torch's scaled-dot-product attention is flash-style on CPU too and
-    keeps no (seq x seq) probabilities), one chunk of logits with its log-softmax and gradient (and ToMoE's
-    teacher log-probabilities and KL terms), and the process itself (torch and Python, measured)."""
-    config = model.config
-    d, d_ff, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    tokens = batch * seq_len
-    params = sum(p.numel() for p in model.parameters())
-    layer_working = tokens * (8 * d + 4 * d_ff) * 4  # torch's attention kernels keep no (seq x seq) matrix
-    if method == "tomoe":  # the masked student keeps the masks' (tokens, d_ff) products too
-        layer_working += tokens * 2 * d_ff * 4
-    recomputed, kept = layers * tokens * d * 4 + layer_working, layers * layer_working
-    from moeify.training.losses import CHUNK_TOKENS
+def planned(method: str, shape: ModelShape, config: Any) -> tuple[dict[str, float], float]:
+    """``moeify plan``'s estimate of this run's training phase (GiB by part, the process's share included;
+    the model loaded from GGUF, dequantised to float32: nothing memory-mapped), and the activations it
+    would count without recomputation."""
+    def train_phase(cfg: Any) -> tuple[dict[str, int], int]:
+        plan = method_plan(shape, get_method(method), cfg, torch.float32, shape.context, "cpu", gguf=True)
+        return plan.phases["train"], plan.process
 
-    copies = 5 if method == "tomoe" else 3  # a KL's chunk also holds the teacher's log-probabilities and its terms
-    logits = copies * min(CHUNK_TOKENS, tokens) * config.vocab_size * 4
-    parts = {"weights": params * 4, "grads": trainable * 4, "optimizer": trainable * 8,
-             "activations": recomputed if recompute else kept, "logits": logits}
-    return {name: value / GIB for name, value in parts.items()}, {"activations_without_recompute": kept / GIB,
-                                                                 "activations_with_recompute": recomputed / GIB}
+    parts, process = train_phase(config)
+    without_recompute, _ = train_phase(dataclasses.replace(config, recompute=False))
+    return {"process": process / GIB, **{name: value / GIB for name, value in parts.items()}}, \
+        without_recompute["activations"] / GIB
 
 
 def alternatives(row: dict[str, Any]) -> dict[str, float]:
     """What the estimate becomes (GiB) with the memory savers moeify does not apply: bf16 weights and
     gradients (half of their float32 bytes), 8-bit AdamW moments (a quarter), and without recomputation."""
-    parts, other = row["estimate_parts_gib"], row["activation_variants_gib"]
-    base = row["estimate_gib"]
+    parts, base = row["estimate_parts_gib"], row["estimate_gib"]
     return {"as run": base,
-            "bf16 weights+grads": base - (parts["weights"] + parts["grads"]) / 2,
+            "bf16 weights+grads": base - (parts["weights"] + parts["gradients"]) / 2,
             "8-bit AdamW states": base - parts["optimizer"] * 3 / 4,
-            "no recompute": base - parts["activations"] + other["activations_without_recompute"]}
+            "no recompute": base - parts["activations"] + row["activations_without_recompute_gib"]}
 
 
 def child(args: argparse.Namespace) -> None:
     from moeify.calibration.data import read_text
     from moeify.loading import load_model
-    from moeify.methods import ConversionContext, get_method
+    from moeify.methods import ConversionContext
     from moeify.options import build_config, parse_assignments
 
     batch, seq_len = map(int, args.shape.split("x"))
     accum = 2 if seq_len >= 2048 else 1
     process = _status("VmRSS")
     model, tokenizer = load_model(args.model)
+    shape = ModelShape.from_config(model.config, Path(args.model).name)  # before preparation changes the model
     ctx = ConversionContext(model, tokenizer, read_text(args.text), 0, torch.device("cpu"), progress=False)
     options = {**_options(args.method, batch, seq_len, accum, args.steps), **parse_assignments(args.set)}
     config = build_config(get_method(args.method).config_cls, options)
     log = _prepare_and_train(args.method, ctx, config)
     peak = _status("VmHWM")
     steps, trainable = len(log["losses"]), log["trainable_params"]
-    parts, variants = estimate(args.method, ctx.model, trainable, batch, seq_len, config.recompute)
+    parts, without_recompute = planned(args.method, shape, config)
     row = {"method": args.method, "shape": args.shape, "micro_batches": accum, "steps": steps,
-           "peak_rss_gib": round(peak, 3), "estimate_gib": round(process + sum(parts.values()), 3),
-           "rss_at_start_gib": round(_AT_START[-1], 3),
-           "estimate_parts_gib": {"process": round(process, 3), **{k: round(v, 3) for k, v in parts.items()}},
-           "activation_variants_gib": {k: round(v, 3) for k, v in variants.items()},
+           "peak_rss_gib": round(peak, 3), "estimate_gib": round(sum(parts.values()), 3),
+           "rss_at_start_gib": round(_AT_START[-1], 3), "process_rss_gib": round(process, 3),
+           "estimate_parts_gib": {k: round(v, 3) for k, v in parts.items()},
+           "activations_without_recompute_gib": round(without_recompute, 3),
            "trainable_params": trainable, "recompute": config.recompute,
            "s_per_step": round(log["seconds"] / steps, 2), "losses": log["losses"]}
     print(json.dumps(row), flush=True)
