@@ -59,8 +59,11 @@ def test_convert_writes_model_and_record(converted):
     record = json.loads((converted / "record.json").read_text())
     assert record["method"] == "cmoe"
     assert record["config"]["num_experts"] == 8 and record["config"]["top_k"] == 1
+    metrics = record["metrics"]
     for key in ("dense_ppl", "ppl", "eval_tokens"):
-        assert record["metrics"][key] > 0
+        assert metrics[key] > 0
+    assert metrics["ppl_change"] == pytest.approx(metrics["ppl"] / metrics["dense_ppl"] - 1)
+    assert 0 < metrics["ppl_change_stderr"] < abs(metrics["ppl_change"])  # carving S1A1E8 costs more than noise
     assert record["active"]["mlp_ratio"] == pytest.approx(0.25, abs=0.01)
     assert 0 < record["active"]["apr"] < 1 and record["active"]["active_params"] < record["active"]["total_params"]
     assert record["timings"]["convert_s"] > 0 and record["speed"]["dense_tokens_per_s"] > 0

@@ -97,6 +97,8 @@ def test_relative_change_is_paired_over_windows(stories, eval_text):
     assert error == pytest.approx(math.exp(0.1) * math.sqrt(16 / 3) / 40)
     with pytest.raises(ValueError, match="same text in the same windows"):
         relative_change(base, _scored([1.0, 2.0], [10, 30]))
+    change, error = relative_change(_scored([10.0], [10]), _scored([12.0], [10]))
+    assert change == pytest.approx(math.exp(0.2) - 1) and error is None  # one window: no spread
 
 
 def test_activated_parameters_by_hand(make_ctx):

@@ -17,7 +17,7 @@ from moeify.api.plan import check_fits, method_plan
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
-from moeify.evaluation.perplexity import perplexity
+from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import forward_speed
 from moeify.export.native import save_native
@@ -62,11 +62,11 @@ def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:
 
 
 def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: TextSource, seq_len: int,
-                       measure_speed: bool, progress: bool) -> tuple[dict[str, Any], tuple[float, float] | None]:
+                       measure_speed: bool, progress: bool) -> tuple[Perplexity, tuple[float, float] | None]:
     with tracking_routing(model):
         ppl = perplexity(model, tokenizer, eval_source, seq_len, progress=progress)
     speed = forward_speed(model, *SPEED_SHAPE) if measure_speed else None
-    return ppl.as_dict(), speed
+    return ppl, speed
 
 
 def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, options: dict[str, Any] | None = None, *,
@@ -152,8 +152,10 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "data": {"calib": {"name": calib_source.name, "sha256": calib_source.sha256},
                  "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
                  "analysis_eval": [{"name": s.name, "sha256": s.sha256} for s in eval_sources]},
-        "metrics": {"dense_ppl": dense_quality["ppl"], "ppl": quality["ppl"], "eval_tokens": quality["tokens"],
-                    "dense_eval": dense_quality, "eval": quality},
+        "metrics": {"dense_ppl": dense_quality.ppl, "ppl": quality.ppl, "eval_tokens": quality.tokens,
+                    # the relative change and the evaluation text's sampling error of it (paired over windows)
+                    **dict(zip(("ppl_change", "ppl_change_stderr"), relative_change(dense_quality, quality))),
+                    "dense_eval": dense_quality.as_dict(), "eval": quality.as_dict()},
         "active": active,
         "paper_ratio": paper_ratio(moe, measured, spec.paper_ratio),
         "nominal_active": None if nominal is None else nominal.as_dict(),

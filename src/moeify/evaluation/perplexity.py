@@ -61,8 +61,9 @@ class Perplexity:
         return record
 
 
-def relative_change(base: Perplexity, other: Perplexity) -> tuple[float, float]:
-    """(other.ppl / base.ppl - 1, its standard error) of two models scored on the same windows.
+def relative_change(base: Perplexity, other: Perplexity) -> tuple[float, float | None]:
+    """(other.ppl / base.ppl - 1, its standard error) of two models scored on the same windows (the error
+    is None for a single window: there is no spread to measure).
 
     The error is the sampling error of the text, paired: the mean per-token NLL difference varies with
     which windows are scored, and windows are the independent units (a window's tokens share a context,
@@ -75,10 +76,12 @@ def relative_change(base: Perplexity, other: Perplexity) -> tuple[float, float]:
     tokens = torch.tensor(base.window_tokens, dtype=torch.float64)
     diff = torch.tensor(other.window_nll, dtype=torch.float64) - torch.tensor(base.window_nll, dtype=torch.float64)
     mean = float(diff.sum() / tokens.sum())
-    n = len(tokens)
-    residual = diff - mean * tokens
-    stderr = math.sqrt(float((residual ** 2).sum()) * n / max(n - 1, 1)) / float(tokens.sum()) if n > 1 else math.nan
     change = math.exp(other.nll - base.nll)
+    n = len(tokens)
+    if n < 2:
+        return change - 1, None
+    residual = diff - mean * tokens
+    stderr = math.sqrt(float((residual ** 2).sum()) * n / (n - 1)) / float(tokens.sum())
     return change - 1, change * stderr
 
 
