@@ -55,7 +55,12 @@ def test_report_from_records(two_runs, tmp_path, capsys):
     records = [json.loads((two_runs / n / "record.json").read_text()) for n in "ab"]
     for record, name in zip(records, "ab"):
         record["_name"] = name
-    assert markdown_table(records).count("\n") == 4
+    table = markdown_table(records)
+    assert table.count("\n") == 4
+    change = records[0]["metrics"]["ppl_change"]
+    assert f"| {100 * change:+.2f} % +- {100 * records[0]['metrics']['ppl_change_stderr']:.2f} % |" in table
+    del records[0]["metrics"]["ppl_change"]  # a record that predates the sampling error
+    assert f"| {records[0]['metrics']['ppl']:.3f} | - |" in markdown_table(records)
     records[0]["nominal_active"] = None  # a data-dependent router (DSMoE's threshold) has no nominal APR
     assert f"| {records[0]['active']['apr']:.3f} | - |" in markdown_table(records)
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r2")]) == 2

@@ -7,10 +7,10 @@ import contextlib
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 from moeify.cli.common import add_device_arguments, add_layer_by_layer_argument
 from moeify.cli.format import print_table
+from moeify.evaluation.perplexity import describe_change
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     rec = result.record
     rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}"),
             (f"{rec['method']} perplexity", f"{rec['metrics']['ppl']:.3f}"),
-            ("perplexity change +- its sampling error", _change(rec["metrics"])),
+            ("perplexity change +- its sampling error",
+             describe_change(rec["metrics"]["ppl_change"], rec["metrics"]["ppl_change_stderr"])),
             ("eval tokens", str(rec["metrics"]["eval_tokens"])),
             ("activated MLP ratio", f"{rec['active']['mlp_ratio']:.3f}"),
             ("activated param ratio (APR)", f"{rec['active']['apr']:.3f}"),
@@ -101,9 +102,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}/ (model, tokenizer, record.json{''.join(', ' + name for name in result.artifacts)})")
     return 0
 
-
-def _change(metrics: dict[str, Any]) -> str:
-    change, stderr = metrics["ppl_change"], metrics["ppl_change_stderr"]
-    if stderr is None:
-        return f"{100 * change:+.2f} % (one window: no sampling error to measure)"
-    return f"{100 * change:+.2f} % +- {100 * stderr:.2f} % (paired over the windows)"

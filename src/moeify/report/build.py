@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moeify.evaluation.perplexity import describe_change
 from moeify.evaluation.record import RECORD_NAME
 
 
@@ -29,16 +30,23 @@ def read_runs(folders: list[Path]) -> list[dict[str, Any]]:
 
 
 def markdown_table(runs: list[dict[str, Any]]) -> str:
-    head = ("| run | method | dense ppl | ppl | APR (measured) | APR (nominal) | MLP ratio | speed-up | convert s |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| run | method | dense ppl | ppl | change +- sampling error | APR (measured) | APR (nominal) | MLP ratio "
+            "| speed-up | convert s |\n|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in sorted(runs, key=lambda r: r["active"]["apr"]):
         speed = f"{r['speed']['speedup']:.2f}x" if r.get("speed") else "-"
         nominal = f"{r['nominal_active']['apr']:.3f}" if r.get("nominal_active") else "-"  # None: data-dependent
         rows.append(f"| {r['_name']} | {r['method']} | {r['metrics']['dense_ppl']:.3f} | {r['metrics']['ppl']:.3f} | "
-                    f"{r['active']['apr']:.3f} | {nominal} | {r['active']['mlp_ratio']:.3f} | "
-                    f"{speed} | {r['timings']['convert_s']:.1f} |")
+                    f"{_change(r['metrics'])} | {r['active']['apr']:.3f} | {nominal} | "
+                    f"{r['active']['mlp_ratio']:.3f} | {speed} | {r['timings']['convert_s']:.1f} |")
     return head + "\n".join(rows) + "\n"
+
+
+def _change(metrics: dict[str, Any]) -> str:
+    """The perplexity change against the dense model with its sampling error ("-" in records that predate it)."""
+    if metrics.get("ppl_change") is None:
+        return "-"
+    return describe_change(metrics["ppl_change"], metrics.get("ppl_change_stderr"))
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
