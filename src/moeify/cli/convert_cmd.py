@@ -101,4 +101,3 @@ def run(args: argparse.Namespace) -> int:
     print_table(f"moeify convert --method {rec['method']}", rows)
     print(f"wrote {out}/ (model, tokenizer, record.json{''.join(', ' + name for name in result.artifacts)})")
     return 0
-
