@@ -74,7 +74,7 @@ def arguments(doc: str, methods: str, results: str) -> argparse.ArgumentParser:
     return parser
 
 
-def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) -> Path:
+def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) -> None:
     """``method``'s conversion of ``model`` in ``dtype``, saved into ``out`` by a fresh process (whose own
     metrics, on ``eval_file``, are not the ones reported)."""
     sets = [arg for key, value in OPTIONS.get(method, {}).items() for arg in ("--set", f"{key}={value}")]
@@ -84,7 +84,6 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
     child = subprocess.run(command, capture_output=True, text=True, check=False)
     if child.returncode:
         raise RuntimeError(f"{method} {dtype}: {child.stderr[-2000:]}")
-    return out
 
 
 def main() -> None:
@@ -97,7 +96,9 @@ def main() -> None:
         for method in args.methods.split(","):
             scored = {}
             for dtype in ("float32", "bfloat16"):
-                converted, tokenizer = load_model(convert(method, model, dtype, smoke_file, Path(tmp) / method / dtype))
+                folder = Path(tmp) / method / dtype
+                convert(method, model, dtype, smoke_file, folder)
+                converted, tokenizer = load_model(folder)
                 scored[dtype] = perplexity(converted, tokenizer, eval_source, 512)
             change, stderr = relative_change(scored["float32"], scored["bfloat16"])
             row = {"method": method, "options": OPTIONS.get(method, {}), "model": "SmolLM2-135M bfloat16 checkpoint",

@@ -86,6 +86,7 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
     that smallest gap over the sequence's positions; None for a model without linear routers. A gap near
     zero is a routing choice that float rounding may make either way: the engine then runs another expert
     for that token, and the difference spreads to the positions after it through attention."""
+    from moeify.calibration.hooks import observing
     from moeify.runtime.moe import MoeMLP
     from moeify.runtime.routers import NotLinear
 
@@ -96,14 +97,9 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
         forms = [router.linear_form() for router in routers]
     except NotLinear:
         return None
-    inputs: list[Tensor] = []
-    handles = [router.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach()))
-               for router in routers]
-    try:
+    inputs: list[Tensor] = []  # in forward order: the routers' order
+    with observing({router: lambda x, _out: inputs.append(x) for router in routers}):
         model(input_ids=torch.tensor([prompt + tokens]))
-    finally:
-        for handle in handles:
-            handle.remove()
     gaps = []
     for form, x in zip(forms, inputs):
         top = (x.reshape(-1, x.shape[-1]).double() @ form.weight.T).topk(form.top_k + 1, dim=-1).values

@@ -142,6 +142,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         details["analysis"] = spec.analyze(ctx, config, eval_sources, seq_len)
         timings["analysis_s"] = time.perf_counter() - start
     artifacts = {**_routing_artifacts(routing), **ctx.artifacts}
+    # the relative change and the evaluation text's sampling error of it (paired over windows)
+    ppl_change, ppl_change_stderr = relative_change(dense_quality, quality)
     record = {
         "method": spec.name,
         "paper": spec.paper,
@@ -153,8 +155,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
                  "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
                  "analysis_eval": [{"name": s.name, "sha256": s.sha256} for s in eval_sources]},
         "metrics": {"dense_ppl": dense_quality.ppl, "ppl": quality.ppl, "eval_tokens": quality.tokens,
-                    # the relative change and the evaluation text's sampling error of it (paired over windows)
-                    **dict(zip(("ppl_change", "ppl_change_stderr"), relative_change(dense_quality, quality))),
+                    "ppl_change": ppl_change, "ppl_change_stderr": ppl_change_stderr,
                     "dense_eval": dense_quality.as_dict(), "eval": quality.as_dict()},
         "active": active,
         "paper_ratio": paper_ratio(moe, measured, spec.paper_ratio),

@@ -75,8 +75,8 @@ def relative_change(base: Perplexity, other: Perplexity) -> tuple[float, float |
         raise ValueError("relative_change needs two evaluations of the same text in the same windows")
     tokens = torch.tensor(base.window_tokens, dtype=torch.float64)
     diff = torch.tensor(other.window_nll, dtype=torch.float64) - torch.tensor(base.window_nll, dtype=torch.float64)
-    mean = float(diff.sum() / tokens.sum())
-    change = math.exp(other.nll - base.nll)
+    mean = float(diff.sum() / tokens.sum())  # other.nll - base.nll
+    change = math.exp(mean)
     n = len(tokens)
     if n < 2:
         return change - 1, None
