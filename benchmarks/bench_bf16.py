@@ -17,7 +17,10 @@ TEAL's perplexity moves by 1-2 % when its projections' inputs move by 16 float32
 tokens a percent or so is sampling error, and only a longer text resolves a 1 % bound.
 
     python benchmarks/bench_bf16.py [--methods cmoe,more,...] [--eval-chars 20000]
-        [--checkpoint /tmp/smollm2-135m-bf16] [--out benchmarks/results/bench_bf16.jsonl]
+        [--checkpoint /tmp/smollm2-135m-bf16] [--out benchmarks/results/bench_bf16.jsonl] [--work DIR]
+
+ToMoE's 600 steps take hours on a CPU: with ``--work DIR`` the run can be stopped (its checkpoints every 25
+steps are kept in ``DIR/tomoe/DTYPE.work``) and the same command continues it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from moeify.calibration.data import read_text
 from moeify.evaluation.perplexity import perplexity, relative_change
 from moeify.loading import load_model
 
-# the training methods at a CPU budget (their defaults: hundreds of steps)
-OPTIONS = {"tomoe": {"steps": 20, "checkpoint_every": 0}, "dsmoe": {"steps": 10, "checkpoint_every": 0},
+# DSMoE and Dense2MoE at a CPU budget (their defaults: hundreds of steps); ToMoE at its default budget, 600
+# steps (a fewer-step ToMoE is untrained and chaotic), checkpointed often enough to stop and resume (--work)
+OPTIONS = {"tomoe": {"checkpoint_every": 25}, "dsmoe": {"steps": 10, "checkpoint_every": 0},
            "dense2moe": {"steps": 10, "checkpoint_every": 0, "seq_len": 256}}
 METHODS = "cmoe,more,static_prune,random_split,teal,tomoe,dsmoe,dense2moe"
 
@@ -76,8 +80,14 @@ def arguments(doc: str, methods: str, results: str) -> argparse.ArgumentParser:
 
 def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) -> None:
     """``method``'s conversion of ``model`` in ``dtype``, saved into ``out`` by a fresh process (whose own
-    metrics, on ``eval_file``, are not the ones reported)."""
+    metrics, on ``eval_file``, are not the ones reported). Nothing to do where ``out`` holds it already; a
+    training conversion stopped before it finished (``out``'s work folder holds a checkpoint) goes on from
+    its latest checkpoint."""
+    if (out / "config.json").is_file():
+        return
     sets = [arg for key, value in OPTIONS.get(method, {}).items() for arg in ("--set", f"{key}={value}")]
+    if any(out.with_name(out.name + ".work").glob("*_checkpoints/step-*")):
+        sets += ["--set", "resume=true"]
     command = [sys.executable, "-m", "moeify", "convert", str(model), "--method", method, "--dtype", dtype,
                *sets, "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "512", "--no-speed",
                "--out", str(out)]
@@ -87,16 +97,21 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
 
 
 def main() -> None:
-    args = arguments(__doc__, METHODS, "bench_bf16.jsonl").parse_args()
+    parser = arguments(__doc__, METHODS, "bench_bf16.jsonl")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="keep the conversions in WORK/METHOD/DTYPE (default: a temporary folder): a later run "
+                             "scores them without converting again, and continues one stopped while training")
+    args = parser.parse_args()
     model = bf16_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = eval_prefix(Path(tmp), args.eval_chars)
         smoke_file = eval_prefix(Path(tmp), min(args.eval_chars, 4000))  # the conversions' own metrics
         eval_source = read_text(eval_file)
+        work = Path(tmp) if args.work is None else args.work
         for method in args.methods.split(","):
             scored = {}
             for dtype in ("float32", "bfloat16"):
-                folder = Path(tmp) / method / dtype
+                folder = work / method / dtype
                 convert(method, model, dtype, smoke_file, folder)
                 converted, tokenizer = load_model(folder)
                 scored[dtype] = perplexity(converted, tokenizer, eval_source, 512)

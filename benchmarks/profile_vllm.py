@@ -6,12 +6,14 @@ attention and everything else; and the MoE kernel alone against a dense MLP on t
 Run with the vLLM venv's python (``benchmarks/make_vllm_venv.sh``), after ``serve_vllm.py`` made the
 exports:
 
-    .venv-vllm/bin/python benchmarks/profile_vllm.py [--rows dense,tomoe,more] [--work /tmp/moeify-serve]
+    .venv-vllm/bin/python benchmarks/profile_vllm.py [--rows dense,tomoe,more,dsmoe] [--work /tmp/moeify-serve]
 
 One JSON line per row is appended to ``results/profile_vllm.jsonl``; ``--markdown`` prints the table.
 The kernel comparison (``kernel`` rows) times vLLM's ``cpu_fused_moe`` with one expert as wide as the dense
 MLP, top-1 (the dense MLP's FLOPs exactly), against the dense MLP through ``torch.nn.functional.linear``
-(oneDNN), and a ToMoE-shaped layer (8 experts, 3/8 of the width): the kernel's cost per FLOP.
+(oneDNN): the kernel's cost per FLOP; then the shapes the exports run: ToMoE's (8 experts, each 3/8 of the
+width, top-1) and DSMoE's glm4_moe (8 experts of 1/8 of the width, top-5, beside the zero shared expert of
+1/8 of the width that its format cannot leave out, a dense MLP).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ NEW_TOKENS = 64
 PARTS = {"_C::cpu_fused_moe": "moe_kernel", "_C::onednn_mm": "dense_gemm",
          "_C::cpu_attention_with_kv_cache": "attention"}
 KERNEL_TOKENS = (2048, 32)  # a prefill chunk, a decode step of the batch
+DSMOE_TOP_K = 5  # the top-k of serve_vllm.py's DSMoE export of SmolLM2 (its mean expert count, of 8)
 
 
 def profile(folder: Path, ids: list[list[int]]) -> dict[str, Any]:
@@ -80,12 +83,12 @@ def kernel_rows(hidden: int, width: int) -> list[dict[str, Any]]:
             F.linear(F.silu(gate) * up, down)
         return run
 
-    def moe(x: torch.Tensor, experts: int, w: int):
+    def moe(x: torch.Tensor, experts: int, w: int, k: int = 1):
         w13, w2 = cpu_prepack_moe_weight(randn(experts, 2 * w, hidden), isa), cpu_prepack_moe_weight(
             randn(experts, hidden, w), isa)
-        ids = torch.randint(0, experts, (x.shape[0], 1), generator=generator, dtype=torch.int32)
-        weights, out = torch.ones(x.shape[0], 1), torch.empty_like(x)
-        return lambda: cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, "silu", isa)
+        ids = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(x.shape[0])])
+        weights, out = torch.ones(x.shape[0], k), torch.empty_like(x)
+        return lambda: cpu_fused_moe(out, x, w13, w2, None, None, weights, ids.to(torch.int32), "silu", isa)
 
     def timed(run, reps: int) -> float:
         run()
@@ -95,14 +98,16 @@ def kernel_rows(hidden: int, width: int) -> list[dict[str, Any]]:
         return (time.perf_counter() - began) / reps
 
     rows = []
-    narrow = width * 3 // 8
+    narrow, part = width * 3 // 8, width // 8
     for tokens in KERNEL_TOKENS:
         x, reps = randn(tokens, hidden) * 50, max(10, 40000 // tokens)
         times = {label: timed(run, reps) for label, run in (
             (f"dense MLP {width} (oneDNN)", dense(x, width)),
             (f"cpu_fused_moe 1 x {width}, top-1 (dense FLOPs)", moe(x, 1, width)),
             (f"dense MLP {narrow} (oneDNN)", dense(x, narrow)),
-            (f"cpu_fused_moe 8 x {narrow}, top-1", moe(x, 8, narrow)))}
+            (f"cpu_fused_moe 8 x {narrow}, top-1", moe(x, 8, narrow)),
+            (f"dense MLP {part} (oneDNN)", dense(x, part)),
+            (f"cpu_fused_moe 8 x {part}, top-{DSMOE_TOP_K}", moe(x, 8, part, DSMOE_TOP_K)))}
         base = next(iter(times.values()))
         rows += [{"row": f"kernel: {label}, {tokens} tokens", "isa": isa, "tokens": tokens,
                   "ms": round(seconds * 1e3, 3), "x_dense_mlp": round(seconds / base, 2)}
@@ -124,7 +129,7 @@ def markdown(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="dense,tomoe,more", help="dense and rows of serve_vllm.EXPORTS")
+    parser.add_argument("--rows", default="dense,tomoe,more,dsmoe", help="dense and rows of serve_vllm.EXPORTS")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-serve"))
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
