@@ -153,6 +153,18 @@ def test_an_interrupted_training_names_its_last_checkpoint_and_the_resume_comman
     assert not out.exists() and not (tmp_path / "run.lock").exists()
 
 
+def test_the_resume_hint_asks_for_resume_once(tmp_path):
+    from argparse import Namespace
+
+    from moeify.cli.main import _resume_hint
+
+    (tmp_path / "run.work" / "dsmoe_checkpoints" / "step-00000003").mkdir(parents=True)
+    argv = ["convert", "--method", "dsmoe", "--out", str(tmp_path / "run")]
+    for given in (argv, [*argv, "--set", "resume=true"]):  # a first run, then a resumed one stopped again
+        hint = _resume_hint(Namespace(out=tmp_path / "run"), given)
+        assert "(step 00000003)" in hint and hint.endswith("--set resume=true") and hint.count("resume=true") == 1
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--batch-sizes", "0"], r"--batch-sizes='0' is out of range; allowed: integers >= 1"),
     (["--batch-sizes", "one"], r"must be comma-separated integers"),

@@ -50,7 +50,8 @@ def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
                                           key=lambda p: int(p.name.split("-")[-1]))
     if not steps:
         return "; no training checkpoint was written, nothing to resume"
-    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, "--set", "resume=true"])
+    resume = [] if "resume=true" in argv else ["--set", "resume=true"]  # a resumed run stopped again
+    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, *resume])
     return f"; the last checkpoint is {steps[-1]} (step {steps[-1].name.split('-')[-1]}); continue with: {command}"
 
 
