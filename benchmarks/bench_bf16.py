@@ -35,8 +35,10 @@ from pathlib import Path
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
 
 from moeify.calibration.data import read_text
+from moeify.cli.convert_cmd import work_dir
 from moeify.evaluation.perplexity import perplexity, relative_change
 from moeify.loading import load_model
+from moeify.training.checkpoint import last_checkpoint
 
 # DSMoE and Dense2MoE at a CPU budget (their defaults: hundreds of steps); ToMoE at its default budget, 600
 # steps (a fewer-step ToMoE is untrained and chaotic), checkpointed often enough to stop and resume (--work)
@@ -86,7 +88,7 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
     if (out / "config.json").is_file():
         return
     sets = [arg for key, value in OPTIONS.get(method, {}).items() for arg in ("--set", f"{key}={value}")]
-    if any(out.with_name(out.name + ".work").glob("*_checkpoints/step-*")):
+    if last_checkpoint(work_dir(out)) is not None:
         sets += ["--set", "resume=true"]
     command = [sys.executable, "-m", "moeify", "convert", str(model), "--method", method, "--dtype", dtype,
                *sets, "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "512", "--no-speed",

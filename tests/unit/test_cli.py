@@ -160,8 +160,9 @@ def test_the_resume_hint_asks_for_resume_once(tmp_path):
 
     (tmp_path / "run.work" / "dsmoe_checkpoints" / "step-00000003").mkdir(parents=True)
     argv = ["convert", "--method", "dsmoe", "--out", str(tmp_path / "run")]
-    for given in (argv, [*argv, "--set", "resume=true"]):  # a first run, then a resumed one stopped again
-        hint = _resume_hint(Namespace(out=tmp_path / "run"), given)
+    for sets in ([], ["resume=true"]):  # a first run, then a resumed one stopped again
+        given = [*argv, *(arg for pair in sets for arg in ("--set", pair))]
+        hint = _resume_hint(Namespace(out=tmp_path / "run", set=sets), given)
         assert "(step 00000003)" in hint and hint.endswith("--set resume=true") and hint.count("resume=true") == 1
 
 

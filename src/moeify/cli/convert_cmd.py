@@ -53,6 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def work_dir(out: Path) -> Path:
+    """Where a conversion into ``out`` keeps its training checkpoints until the model is saved."""
+    return out.with_name(out.name + ".work")
+
+
 def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.files import check_output_dir, output_lock
@@ -65,19 +70,19 @@ def run(args: argparse.Namespace) -> int:
     options = parse_assignments(args.set)
     check_output_dir(args.out, args.overwrite)
     init_from_env(args.device, fsdp=args.fsdp)  # under torchrun: every process converts, the training shares each batch
-    work_dir = args.out.with_name(args.out.name + ".work")
+    work = work_dir(args.out)
     # a second convert into the same --out is refused, naming this one; under torchrun the main process holds it
     with output_lock(args.out) if is_main() else contextlib.nullcontext():
         result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
                                 seed=args.seed, device=args.device, dtype=args.dtype, eval_seq_len=args.seq_len,
-                                measure_speed=not args.no_speed, progress=is_main(), work_dir=work_dir,
+                                measure_speed=not args.no_speed, progress=is_main(), work_dir=work,
                                 check_memory=not args.no_memory_check, layer_by_layer=args.layer_by_layer)
         if not is_main():
             return 0  # the main process writes and reports
         for warning in result.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         out = moeify.save(result, args.out, overwrite=args.overwrite)
-        shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are for resuming; the model is saved now
+        shutil.rmtree(work, ignore_errors=True)  # checkpoints are for resuming; the model is saved now
     rec = result.record
     rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}"),
             (f"{rec['method']} perplexity", f"{rec['metrics']['ppl']:.3f}"),

@@ -45,14 +45,17 @@ def _terminate(_signum: int, _frame: object) -> None:
 
 def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
     """Where the last training checkpoint is and the command that continues from it."""
+    from moeify.cli.convert_cmd import work_dir
+    from moeify.options import parse_assignments, parse_bool
+    from moeify.training.checkpoint import last_checkpoint
+
     out = getattr(args, "out", None)
-    steps = [] if out is None else sorted(Path(out).with_name(Path(out).name + ".work").glob("*/step-*"),
-                                          key=lambda p: int(p.name.split("-")[-1]))
-    if not steps:
+    last = None if out is None else last_checkpoint(work_dir(Path(out)))
+    if last is None:
         return "; no training checkpoint was written, nothing to resume"
-    resume = [] if "resume=true" in argv else ["--set", "resume=true"]  # a resumed run stopped again
-    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, *resume])
-    return f"; the last checkpoint is {steps[-1]} (step {steps[-1].name.split('-')[-1]}); continue with: {command}"
+    resumed = parse_bool("resume", parse_assignments(getattr(args, "set", None) or []).get("resume", "false"))
+    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, *([] if resumed else ["--set", "resume=true"])])
+    return f"; the last checkpoint is {last} (step {last.name.split('-')[-1]}); continue with: {command}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,12 @@ def _step_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
 
 
+def last_checkpoint(work_dir: Path) -> Path | None:
+    """The latest complete checkpoint of the runs kept in ``work_dir`` (a checkpoint folder per run), if any."""
+    dirs = [d for run in Path(work_dir).glob("*") for d in _step_dirs(run)]
+    return max(dirs, key=lambda p: int(p.name[len(_PREFIX):]), default=None)
+
+
 def latest_step(folder: Path) -> int | None:
     dirs = _step_dirs(Path(folder))
     return int(dirs[-1].name[len(_PREFIX):]) if dirs else None
