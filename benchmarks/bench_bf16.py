@@ -82,7 +82,7 @@ def arguments(doc: str, methods: str, results: str) -> argparse.ArgumentParser:
 
 def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) -> None:
     """``method``'s conversion of ``model`` in ``dtype``, saved into ``out`` by a fresh process (whose own
-    metrics, on ``eval_file``, are not the ones reported). Nothing to do where ``out`` holds it already; a
+    metrics, on ``eval_file``, are shown as progress, not reported). Nothing to do where ``out`` holds it already; a
     training conversion stopped before it finished (``out``'s work folder holds a checkpoint) goes on from
     its latest checkpoint."""
     if (out / "config.json").is_file():
@@ -93,9 +93,10 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
     command = [sys.executable, "-m", "moeify", "convert", str(model), "--method", method, "--dtype", dtype,
                *sets, "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "512", "--no-speed",
                "--out", str(out)]
-    child = subprocess.run(command, capture_output=True, text=True, check=False)
+    # its progress bars and report on this process's stderr: the JSON lines on stdout stay the results only
+    child = subprocess.run(command, stdout=sys.stderr, check=False)
     if child.returncode:
-        raise RuntimeError(f"{method} {dtype}: {child.stderr[-2000:]}")
+        raise SystemExit(f"bench_bf16: {method} in {dtype} failed (exit {child.returncode}); its error is above")
 
 
 def main() -> None:
