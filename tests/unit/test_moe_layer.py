@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeify.arch.mlp import MlpWeights
-from moeify.moe.build import expert_mlp, moe_from_partition, shared_neuron_experts
+from moeify.moe.build import common_neurons_shared, expert_mlp, moe_from_partition, shared_neuron_experts
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.runtime.experts import ExpertMLP
 from moeify.runtime.moe import MoeMLP
@@ -240,3 +240,35 @@ def test_overlapping_experts_are_stored_once_and_compute_what_their_copies_compu
     for e, expert in enumerate(stored_once.expert_modules()):  # what an export writes
         torch.testing.assert_close(expert(x), copies.experts[e](x), atol=1e-6, rtol=0)
     assert stored_once.experts.expert_neurons() == [s.tolist() for s in sets]
+
+
+def test_neurons_common_to_every_expert_run_as_a_shared_part_with_the_same_output():
+    """A trained ToMoE's experts share most of their neurons: under top-1 routing with weight 1 those run
+    as an always-on shared part and the experts keep the rest, and the layer computes what the copies do."""
+    mlp = random_mlp(d=64, d_h=256, gated=True, bias=False)
+    g = torch.Generator().manual_seed(5)
+    perm = torch.randperm(256, generator=g)
+    common, pool = perm[:120], perm[120:]
+    sets = [torch.cat([common, pool[torch.randperm(136, generator=g)[:40]]]).sort().values for _ in range(8)]
+    router = ArgmaxRouter(64, 8)
+    torch.nn.init.normal_(router.proj.weight, generator=g)
+    shared, experts = common_neurons_shared(mlp, sets)
+    layer = MoeMLP(experts, router, shared, dense_width=256)
+    copies = MoeMLP([expert_mlp(mlp.select(s)) for s in sets], copy.deepcopy(router), None, dense_width=256)
+    assert shared.width >= 120 and layer.expert_widths == [160 - shared.width] * 8
+    hoisted = set(experts.neuron_ids.tolist()) | set(common.tolist())
+    assert set(torch.cat(sets).tolist()) == hoisted  # nothing lost, nothing added
+    x = torch.randn(2, 40, 64, generator=g)
+    torch.testing.assert_close(layer(x), copies(x), atol=1e-5, rtol=1e-5)  # training path
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), copies(x), atol=1e-5, rtol=1e-5)  # inference path
+        assert layer._packed is None  # no second copy: the shared part runs at its own width
+    dense_bytes = sum(t.numel() * t.element_size() for t in (mlp.up, mlp.down, mlp.gate))
+    assert layer_bytes(layer) <= 1.15 * dense_bytes
+
+
+def test_experts_that_are_all_alike_keep_one_neuron_routed():
+    mlp = random_mlp(d=16, d_h=32, gated=True, bias=False)
+    same = torch.arange(0, 32, 2)
+    shared, experts = common_neurons_shared(mlp, [same.clone() for _ in range(4)])
+    assert shared.width == 15 and experts.widths == [1] * 4

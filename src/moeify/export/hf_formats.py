@@ -149,6 +149,12 @@ def routed_tensors(prefix: str, experts: list[GatedMlp], width: int, router: Ten
             f"{prefix}{router_name}.weight": router}
 
 
+def unpadded_shared(parts: list[LayerParts], shared_width: int) -> list[int]:
+    """Routed layers whose shared part the runtime computes at its own width (``LayerParts.shared_packed``)
+    where the format pads it to ``shared_width``: the same function, other float32 sums."""
+    return [p.index for p in parts if p.routed and not p.shared_packed and p.shared.width not in (0, shared_width)]
+
+
 def _max(values: list[int], default: int = 0) -> int:
     return max(values, default=default)
 
@@ -211,9 +217,11 @@ class Glm4Moe:
         """Dense layers after the leading ones, and shared parts when n x W is wider than the runtime's S."""
         routed = [p for p in parts if p.routed]
         _, shared = packed_widths([e.width for p in routed for e in p.experts], [p.shared.width for p in routed])
-        wider = config.n_shared_experts * config.moe_intermediate_size != shared
-        return [p.index for p in parts
-                if p.index >= config.first_k_dense_replace and (not p.routed or (wider and p.shared.width))]
+        stored = config.n_shared_experts * config.moe_intermediate_size
+        wider = stored != shared
+        return sorted({p.index for p in parts
+                       if p.index >= config.first_k_dense_replace and (not p.routed or (wider and p.shared.width))}
+                      | set(unpadded_shared(parts, stored)))
 
 
 class Qwen2Moe:
@@ -259,7 +267,7 @@ class Qwen2Moe:
         return out
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
-        return []
+        return unpadded_shared(parts, config.shared_expert_intermediate_size)
 
 
 class Mixtral:
@@ -330,7 +338,8 @@ class GraniteMoeShared:
         return out
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
-        return [p.index for p in parts if p.shared.width > config.shared_intermediate_size]
+        return sorted({p.index for p in parts if p.shared.width > config.shared_intermediate_size}
+                      | set(unpadded_shared(parts, config.shared_intermediate_size)))
 
 
 class Llama:

@@ -122,7 +122,10 @@ EXACT = Approximation()
 class LayerParts:
     """Layer ``index``'s MLP: ``shared`` runs on every token (the whole MLP of a dense layer), ``experts``
     are routed by ``routing`` (None: nothing is routed). ``input_bound`` bounds |x| at the MLP input
-    (sqrt(d) max|gamma| after an RMSNorm), so a sigmoid router's scores can be kept off saturation."""
+    (sqrt(d) max|gamma| after an RMSNorm), so a sigmoid router's scores can be kept off saturation.
+    ``shared_packed``: whether moeify's runtime computes the shared part zero-padded to the model's
+    aligned width, as a format stores it; not for experts stored once (ToMoE's), whose shared part runs
+    at its own width rather than hold a padded second copy: the same function, other float32 sums."""
 
     index: int
     path: str
@@ -130,6 +133,7 @@ class LayerParts:
     experts: tuple[GatedMlp, ...]
     routing: Routing | None
     input_bound: float
+    shared_packed: bool = True
 
     @property
     def routed(self) -> bool:
@@ -226,7 +230,8 @@ def layer_parts(model: nn.Module, approximation: Approximation = EXACT
             continue
         if shared is None:
             shared = GatedMlp.empty(hidden, experts[0].up)
-        parts.append(LayerParts(i, where, shared, experts, routing, _input_bound(adapter, i, hidden)))
+        packed = not (isinstance(module, MoeMLP) and module.shares_neurons)
+        parts.append(LayerParts(i, where, shared, experts, routing, _input_bound(adapter, i, hidden), packed))
     return parts, errors
 
 

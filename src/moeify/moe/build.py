@@ -58,6 +58,20 @@ def shared_neuron_experts(mlp: MlpWeights, sets: list[torch.Tensor]) -> SharedNe
     return experts
 
 
+def common_neurons_shared(mlp: MlpWeights, sets: list[torch.Tensor]) -> tuple[ExpertMLP | None, SharedNeuronExperts]:
+    """Overlapping experts (neuron subsets of ``mlp``, equal sizes, each ascending) routed top-1 with weight
+    1, as an always-on shared part (the neurons every expert has: whichever expert a token gets, it runs
+    them) and experts of the rest, stored once. The same function; the common neurons then run as one
+    dense product instead of inside each routed expert. At least one neuron stays routed (experts that
+    are all alike keep their last common neuron), so the layer keeps routed experts."""
+    common = sets[0][torch.stack([torch.isin(sets[0], s) for s in sets]).all(dim=0)]
+    if len(common) == len(sets[0]):
+        common = common[:-1]
+    rest = [s[~torch.isin(s, common)] for s in sets]
+    shared = expert_mlp(mlp.select(common)) if common.numel() else None
+    return shared, shared_neuron_experts(mlp, rest)
+
+
 def moe_from_partition(mlp: MlpWeights, partition: ExpertPartition, router: nn.Module) -> MoeMLP:
     """The MoE layer whose shared part and experts are the partition's neuron subsets of ``mlp``;
     with every expert on it computes exactly ``mlp`` (CMoE Eq. 19)."""

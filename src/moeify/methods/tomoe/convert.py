@@ -13,6 +13,10 @@
   an ``MoeMLP`` whose experts are those neuron subsets (Eq. 12) with an ``ArgmaxRouter`` (top-1, unscaled
   output, Eq. 13). The experts overlap, so they are stored once (``SharedNeuronExperts``: the union and
   each expert's index list, as the official code keeps masks), which also gives Appendix B.3's pseudo-MoE.
+  The neurons every expert of a layer has become its always-on shared part (``common_neurons_shared``):
+  with one expert per token at weight 1 the function is the same, and the common part, most of each
+  expert once trained (89 % over SmolLM2's layers after the default 600 steps), runs as a dense product
+  rather than inside the routed experts, natively and in an export.
 - Attention: Q/K keep the dimensions of the noise-free s_0' (at least one pair); V/O become top-K routing,
   K = round(mean over calibration tokens of the noise-free s_t count, at least 1) (§3.3), with the mean expert
   embedding folded into Proj_E^MHA's bias (§3.5): a ``PrunedAttention`` with a ``HeadDimRouter``.
@@ -33,7 +37,7 @@ from moeify.methods.tomoe.config import TomoeConfig
 from moeify.methods.tomoe.modules import EMBED_DIM, KEEP_BIAS
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
 from moeify.moe.accounting import layer_attention_counts
-from moeify.moe.build import shared_neuron_experts
+from moeify.moe.build import common_neurons_shared
 from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.plots import training_curves
@@ -178,10 +182,11 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
             router = ArgmaxRouter(weights.hidden_size, cfg.num_experts)
             router.proj.weight.copy_(modules.router.weight)
             down_bias = None if weights.down_bias is None else weights.down_bias.clone()
-            layer = MoeMLP(shared_neuron_experts(weights, sets), router, None, down_bias,
-                           dense_width=weights.intermediate_size)
+            shared, experts = common_neurons_shared(weights, sets)
+            layer = MoeMLP(experts, router, shared, down_bias, dense_width=weights.intermediate_size)
             adapter.replace_mlp_(i, layer.to(weights.up.device))
-            layers[i].update({"expert_width": len(sets[0]), "own_widths": (logits > theta_).sum(dim=1).tolist(),
+            layers[i].update({"expert_width": len(sets[0]), "shared_width": 0 if shared is None else shared.width,
+                              "own_widths": (logits > theta_).sum(dim=1).tolist(),
                               "union": int((logits > theta_).any(dim=0).sum()),
                               "intermediate_size": weights.intermediate_size})
     return {"layers": layers, "mask_threshold": theta_}
