@@ -57,7 +57,7 @@ def _step_dirs(folder: Path) -> list[Path]:
 
 def last_checkpoint(work_dir: Path) -> Path | None:
     """The latest complete checkpoint of the runs kept in ``work_dir`` (a checkpoint folder per run), if any."""
-    dirs = [d for run in Path(work_dir).glob("*") for d in _step_dirs(run)]
+    dirs = [d for run in Path(work_dir).glob("*") if run.is_dir() for d in _step_dirs(run)]
     return max(dirs, key=lambda p: int(p.name[len(_PREFIX):]), default=None)
 
 
