@@ -41,7 +41,7 @@ from moeify.loading import load_model
 from moeify.training.checkpoint import last_checkpoint
 
 # Training methods at a CPU budget (their defaults: hundreds of steps). ToMoE at 250 of its 600 default steps
-# (a 10-step ToMoE is untrained and chaotic; 600 steps in both dtypes take 3.5 h at 10 s a step on 2 cores),
+# (a 10-step ToMoE is untrained and chaotic; 600 steps in both dtypes take about 3 h at 7-10 s a step here),
 # without activation checkpointing (memory is not short here: 4.3 GiB peak), checkpointed often enough to
 # stop and resume (--work)
 OPTIONS = {"tomoe": {"steps": 250, "recompute": False, "checkpoint_every": 25},

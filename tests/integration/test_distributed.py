@@ -85,7 +85,8 @@ def test_two_processes_train_to_the_weights_of_one(method, tmp_path):
         assert gap <= 1e-5, (name, gap)
         record = json.loads((tmp_path / name / "record.json").read_text())
         assert (record["config"]["processes"], record["config"]["fsdp"]) == (2, fsdp)
-        assert reference["metrics"]["ppl"] == pytest.approx(record["metrics"]["ppl"], rel=1e-5)
+        # weights within 1e-5 move the perplexity of an untrained, chaotic model by more (2.8e-5 measured)
+        assert reference["metrics"]["ppl"] == pytest.approx(record["metrics"]["ppl"], rel=1e-4)
         assert torch.isfinite(torch.tensor(record["metrics"]["ppl"]))
         assert not (tmp_path / f"{name}.work").exists() and not (tmp_path / f"{name}.lock").exists()
 
