@@ -46,6 +46,9 @@ EXPORTS: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "more": ("more", {}, "qwen2_moe", False),
     "more-granitemoeshared": ("more", {}, "granitemoeshared", False),  # the llama.cpp-safe format
     "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", False),
+    # trained long enough for its experts to share most neurons: the shared part the export serves densely
+    "tomoe-250": ("tomoe", {"attention": "off", "steps": 250, "recompute": False, "checkpoint_every": 25},
+                  "qwen2_moe", False),
     "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", False),
     "static_prune": ("static_prune", {}, "llama", False),  # pruned head dimensions zero-padded back
     "static_prune-mlp": ("static_prune", {"attention": "off"}, "llama", False),

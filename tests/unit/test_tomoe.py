@@ -6,6 +6,7 @@ import torch
 import moeify
 from moeify.api import ConversionResult, set_runtime_options
 from moeify.arch import DecoderAdapter
+from moeify.evaluation.serving import cache_keyword
 from moeify.methods.tomoe import TomoeConfig
 from moeify.methods.tomoe.convert import budget_threshold, convert, mlp_cost, widened_experts
 from moeify.methods.tomoe.modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
@@ -175,7 +176,7 @@ def test_pruned_attention_decodes_step_by_step_as_on_the_whole_sequence(make_ctx
         out = model(ids[:, :4], use_cache=True)
         steps, cache = [out.logits], out.past_key_values
         for t in range(4, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t:t + 1], use_cache=True, **{cache_keyword(model): cache})
             steps.append(out.logits)
             cache = out.past_key_values
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)

@@ -15,6 +15,7 @@ greedy sequences themselves (teacher forcing), so one broken tie does not hide t
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -58,19 +59,25 @@ def root_cause(output: str) -> str:
     return causes[0] if causes else (output.strip().splitlines() or ["no output"])[-1]
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword that hands ``model`` its KV cache back: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def native_tokens(model: nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy continuations of ``prompts`` by ``model``, one prompt at a time (no padding) with the KV
     cache; the end-of-sequence token is a token like any other, as in vLLM with ``ignore_eos``
     (transformers' ``min_new_tokens`` would forbid it instead)."""
-    device = next(model.parameters()).device
+    device, keyword = next(model.parameters()).device, cache_keyword(model)
     out = []
     for prompt in prompts:
         step = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
         tokens = [int(step.logits[0, -1].argmax())]
         for _ in range(new_tokens - 1):
-            step = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=step.past_key_values,
-                         use_cache=True)
+            step = model(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
+                         **{keyword: step.past_key_values})
             tokens.append(int(step.logits[0, -1].argmax()))
         out.append(tokens)
     return out

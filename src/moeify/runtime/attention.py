@@ -118,7 +118,8 @@ class PrunedAttention(nn.Module):
         return self.q_proj.in_features
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
-                attention_mask: Tensor | None = None, past_key_values: Any = None, **kwargs: Any):
+                attention_mask: Tensor | None = None, cache: Any = None, past_key_values: Any = None, **kwargs: Any):
+        cache = cache if cache is not None else past_key_values  # transformers >= 5.24 names it ``cache``
         b, t, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, t, self.num_heads, -1).transpose(1, 2)
         k = self.k_proj(hidden_states).view(b, t, self.num_kv_heads, -1).transpose(1, 2)
@@ -127,8 +128,8 @@ class PrunedAttention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         selected = None if self.router is None else self.router(hidden_states)  # (b, t, K)
         v = self._values(hidden_states, selected).transpose(1, 2)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
         if interface is None:
             from transformers.models.llama.modeling_llama import eager_attention_forward as interface
