@@ -52,9 +52,9 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
-def _padded_rows(weight: Tensor, width: int) -> Tensor:
-    return F.pad(weight, (0, 0, 0, width - weight.shape[0])) if weight.dim() == 2 else \
-        F.pad(weight, (0, width - weight.shape[0]))
+def _padded_rows(weight: Tensor, width: int, dim: int = 0) -> Tensor:
+    """``weight`` zero-padded along ``dim`` (its rows; 1: each expert's rows in an (E, w, ...) stack) to ``width``."""
+    return F.pad(weight, (0, 0) * (weight.dim() - 1 - dim) + (0, width - weight.shape[dim]))
 
 
 class PackedExperts:
@@ -89,6 +89,27 @@ class PackedExperts:
                                None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
                                F.pad(shared.down.weight, (0, shared_width - shared.width)))
 
+    @classmethod
+    def gathered(cls, experts: SharedNeuronExperts, expert_scale: float, width: int) -> PackedExperts:
+        """The routed experts of ``experts`` (stored once, as index lists into their union) in the packed
+        layout, without a shared part: one gather per weight, each expert's rows zero-padded to ``width``."""
+        packed = cls.__new__(cls)
+        neurons, index = experts.neurons, experts.index.long()  # index: (E, w), positions in the union
+        packed.act, packed.gated, packed.shared = neurons.act, neurons.gated, None
+
+        def first(part: str) -> Tensor | None:  # "weight" or "bias": (union, ...) -> (E, [2] width, ...)
+            tensors = [getattr(n, part) for n in (neurons.gate, neurons.up) if n is not None]
+            if tensors[-1] is None:
+                return None
+            return torch.cat([_padded_rows(t[index], width, dim=1) for t in tensors], dim=1)
+
+        with torch.no_grad():
+            packed.first, packed.first_bias = first("weight"), first("bias")
+            down = experts.down.weight[:, index].permute(1, 0, 2)  # (E, d, w)
+            down = down * float(expert_scale) if expert_scale != 1.0 else down
+            packed.down = F.pad(down, (0, width - index.shape[1]))
+        return packed
+
     def shared_output(self, x: Tensor) -> Tensor:
         gate, up, gate_bias, up_bias, down = self.shared
         h = F.linear(x, up, up_bias)
@@ -111,30 +132,8 @@ class PackedExperts:
 
 def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Dispatch, width: int,
                          expert_scale: float) -> Tensor:
-    """``PackedExperts.routed_output`` for experts stored once: each routed expert's rows gathered from the
-    union into the packed layout (zero-padded to ``width``) when it runs, one expert at a time, so the sums
-    are the packed layout's (and an export's) without a second copy of the layer."""
-    neurons = experts.neurons
-    out = x.new_empty(dispatch.token.numel(), x.shape[1])
-    start = 0
-    for e, n in enumerate(dispatch.counts.tolist()):
-        if not n:
-            continue
-        rows, pairs = experts.index[e], slice(start, start + n)
-
-        def pick(t: Tensor | None, rows: Tensor = rows) -> Tensor | None:
-            return None if t is None else _padded_rows(t.index_select(0, rows), width)
-
-        first = torch.cat([pick(neurons.gate.weight), pick(neurons.up.weight)]) if neurons.gated \
-            else pick(neurons.up.weight)
-        down = F.pad(experts.down.weight.index_select(1, rows), (0, width - len(rows)))
-        down = down * expert_scale if expert_scale != 1.0 else down
-        offsets = torch.tensor([n], dtype=torch.int32, device=x.device)
-        h = grouped_linear(x[dispatch.token[pairs]], first[None], offsets)
-        if neurons.up.bias is not None:
-            h = h + (torch.cat([pick(neurons.gate.bias), pick(neurons.up.bias)]) if neurons.gated
-                     else pick(neurons.up.bias))
-        h = neurons.act(h[:, :width]) * h[:, width:] if neurons.gated else neurons.act(h)
-        out[pairs] = grouped_linear(h, down[None], offsets) * dispatch.weight[pairs, None]
-        start += n
-    return out
+    """``PackedExperts.routed_output`` for experts stored once: the experts' rows gathered from the union
+    into the packed layout (zero-padded to ``width``) for this forward only, all experts in one gather and
+    one grouped matmul per projection (as the export runs them), so the sums are the packed layout's
+    without a lasting second copy of the layer."""
+    return PackedExperts.gathered(experts, expert_scale, width).routed_output(x, dispatch)
