@@ -18,9 +18,9 @@ pay for their padding (MoRE: ~8-12 %, benchmarks/bench_export_layout.py). The pa
 whenever a weight changes, and dropped by the next forward with gradients on; it holds the layer's
 weights a second time while it exists. A projection wrapped by an adapter (LoRA) keeps the per-expert
 path. Experts that overlap (ToMoE's) are stored once (``experts.SharedNeuronExperts``) and have no
-packed copy: at inference each routed expert's rows are gathered from the union into the packed layout
-when it runs (``packed.shared_neuron_output``), so the layer holds about the dense MLP's weights, not
-its experts' summed widths twice, and still computes what its export computes.
+packed copy: at inference the experts' rows are gathered from the union into the packed layout for the
+forward only, one gather per weight (``packed.shared_neuron_output``), so the layer holds about the dense
+MLP's weights, not its experts' summed widths twice, and still computes what its export computes.
 """
 
 from __future__ import annotations
