@@ -6,6 +6,8 @@ same float32 sums. Part of the runtime copied into every converted folder (impor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -90,11 +92,11 @@ class PackedExperts:
                                F.pad(shared.down.weight, (0, shared_width - shared.width)))
 
     @classmethod
-    def gathered(cls, experts: SharedNeuronExperts, expert_scale: float, width: int) -> PackedExperts:
-        """The routed experts of ``experts`` (stored once, as index lists into their union) in the packed
-        layout, without a shared part: one gather per weight, each expert's rows zero-padded to ``width``."""
+    def gathered(cls, experts: SharedNeuronExperts, expert_scale: float, width: int, used: Tensor) -> PackedExperts:
+        """The experts ``used`` (ids, ascending) of ``experts`` (stored once, as index lists into their union)
+        in the packed layout, without a shared part: one gather per weight, rows zero-padded to ``width``."""
         packed = cls.__new__(cls)
-        neurons, index = experts.neurons, experts.index.long()  # index: (E, w), positions in the union
+        neurons, index = experts.neurons, experts.index[used].long()  # (used, w): positions in the union
         packed.act, packed.gated, packed.shared = neurons.act, neurons.gated, None
 
         def first(part: str) -> Tensor | None:  # "weight" or "bias": (union, ...) -> (E, [2] width, ...)
@@ -132,8 +134,12 @@ class PackedExperts:
 
 def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Dispatch, width: int,
                          expert_scale: float) -> Tensor:
-    """``PackedExperts.routed_output`` for experts stored once: the experts' rows gathered from the union
-    into the packed layout (zero-padded to ``width``) for this forward only, all experts in one gather and
-    one grouped matmul per projection (as the export runs them), so the sums are the packed layout's
-    without a lasting second copy of the layer."""
-    return PackedExperts.gathered(experts, expert_scale, width).routed_output(x, dispatch)
+    """``PackedExperts.routed_output`` for experts stored once: the rows of the experts that have tokens
+    gathered from the union into the packed layout (zero-padded to ``width``) for this forward only, in
+    one gather per weight, then one grouped matmul per projection (as the export runs them, each expert's
+    product on its own), so the sums are the packed layout's without a lasting second copy of the layer.
+    A decode step gathers only the few experts its tokens chose."""
+    used = dispatch.counts.nonzero().flatten()
+    position = torch.cumsum(dispatch.counts > 0, 0) - 1  # expert id -> its place among the used ones
+    local = replace(dispatch, expert=position[dispatch.expert], counts=dispatch.counts[used])
+    return PackedExperts.gathered(experts, expert_scale, width, used).routed_output(x, local)
