@@ -187,7 +187,8 @@ class MoeMLP(nn.Module):
                tuple((t.data_ptr(), t._version) for m in linears for t in m._parameters.values() if t is not None))
         if self._packed is None or self._packed[0] != key:
             self._packed = None  # free the stale copy before building the new one
-            self._packed = (key, PackedExperts(list(self.experts), self.shared, self.router.expert_scale, widths))
+            packed = PackedExperts.from_experts(list(self.experts), self.shared, self.router.expert_scale, widths)
+            self._packed = (key, packed)
         return self._packed[1]
 
     def _pseudo_moe(self, x: Tensor) -> Tensor:

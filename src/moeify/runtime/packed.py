@@ -6,7 +6,8 @@ same float32 sums. Part of the runtime copied into every converted folder (impor
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -59,45 +60,53 @@ def _padded_rows(weight: Tensor, width: int, dim: int = 0) -> Tensor:
     return F.pad(weight, (0, 0) * (weight.dim() - 1 - dim) + (0, width - weight.shape[dim]))
 
 
+@dataclass
 class PackedExperts:
     """A layer's MLP weights for inference, laid out as transformers 5 holds MoE experts (see the module
     docstring): ``first`` (E, 2W, d), each expert's gate rows then its up rows (two-layer MLPs: (E, W, d),
     up rows), ``first_bias`` likewise or None, ``down`` (E, d, W) times the router's ``expert_scale``,
     all zero-padded to W; ``shared``: the shared part's (gate, up, gate bias, up bias, down) zero-padded
-    to S (gate and biases may be None), or None."""
+    to S (gate and biases may be None), or None. Built from per-expert modules (``from_experts``) or
+    gathered from experts stored once (``gathered``)."""
 
-    def __init__(self, experts: list[ExpertMLP], shared: ExpertMLP | None, expert_scale: float,
-                 widths: tuple[int, int]) -> None:
+    act: Callable[[Tensor], Tensor]
+    gated: bool
+    first: Tensor
+    first_bias: Tensor | None
+    down: Tensor
+    shared: tuple[Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor] | None = None
+
+    @classmethod
+    def from_experts(cls, experts: list[ExpertMLP], shared: ExpertMLP | None, expert_scale: float,
+                     widths: tuple[int, int]) -> PackedExperts:
+        """Disjoint experts (one module each) and their shared part, copied into the packed layout."""
         width, shared_width = widths
         neurons = [e.neurons for e in experts]
-        first = neurons[0]
-        self.act, self.gated = first.act, first.gated
+        gated = neurons[0].gated
 
         def stacked_first(part: str) -> Tensor:  # part: "weight" or "bias"
-            rows = [[getattr(n.gate, part), getattr(n.up, part)] if n.gated else [getattr(n.up, part)]
+            rows = [[getattr(n.gate, part), getattr(n.up, part)] if gated else [getattr(n.up, part)]
                     for n in neurons]
             return torch.stack([torch.cat([_padded_rows(t, width) for t in pair]) for pair in rows])
 
         with torch.no_grad():
-            self.first = stacked_first("weight")
-            self.first_bias = None if first.up.bias is None else stacked_first("bias")
             scale = float(expert_scale)
             downs = [e.down.weight * scale if scale != 1.0 else e.down.weight for e in experts]
-            self.down = torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs])
-            self.shared = None
+            packed_shared = None
             if shared is not None:
                 n, pad = shared.neurons, lambda t: None if t is None else _padded_rows(t, shared_width)
-                self.shared = (None if n.gate is None else pad(n.gate.weight), pad(n.up.weight),
-                               None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
-                               F.pad(shared.down.weight, (0, shared_width - shared.width)))
+                packed_shared = (None if n.gate is None else pad(n.gate.weight), pad(n.up.weight),
+                                 None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
+                                 F.pad(shared.down.weight, (0, shared_width - shared.width)))
+            return cls(act=neurons[0].act, gated=gated, first=stacked_first("weight"),
+                       first_bias=None if neurons[0].up.bias is None else stacked_first("bias"),
+                       down=torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs]), shared=packed_shared)
 
     @classmethod
     def gathered(cls, experts: SharedNeuronExperts, expert_scale: float, width: int, used: Tensor) -> PackedExperts:
         """The experts ``used`` (ids, ascending) of ``experts`` (stored once, as index lists into their union)
         in the packed layout, without a shared part: one gather per weight, rows zero-padded to ``width``."""
-        packed = cls.__new__(cls)
         neurons, index = experts.neurons, experts.index[used].long()  # (used, w): positions in the union
-        packed.act, packed.gated, packed.shared = neurons.act, neurons.gated, None
 
         def first(part: str) -> Tensor | None:  # "weight" or "bias": (union, ...) -> (E, [2] width, ...)
             tensors = [getattr(n, part) for n in (neurons.gate, neurons.up) if n is not None]
@@ -106,11 +115,10 @@ class PackedExperts:
             return torch.cat([_padded_rows(t[index], width, dim=1) for t in tensors], dim=1)
 
         with torch.no_grad():
-            packed.first, packed.first_bias = first("weight"), first("bias")
             down = experts.down.weight[:, index].permute(1, 0, 2)  # (E, d, w)
             down = down * float(expert_scale) if expert_scale != 1.0 else down
-            packed.down = F.pad(down, (0, width - index.shape[1]))
-        return packed
+            return cls(act=neurons.act, gated=neurons.gated, first=first("weight"), first_bias=first("bias"),
+                       down=F.pad(down, (0, width - index.shape[1])))
 
     def shared_output(self, x: Tensor) -> Tensor:
         gate, up, gate_bias, up_bias, down = self.shared
