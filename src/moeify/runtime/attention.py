@@ -11,13 +11,17 @@ the whole head): every head keeps the same head dimensions.
   The softmax scaling stays 1/sqrt(original head_dim): the scores are the dense scores minus the pruned
   dimensions' terms, nothing else.
 - Value and output keep either static dimensions ``vo_index`` (narrower projections), or, with a
-  ``HeadDimRouter``, the top-K dimensions chosen per token (ToMoE Eq. 4-5): the value of token t is
-  computed only on t's K dimensions, and the output projection of token t reads only t's K dimensions
-  of its attention output (real narrower compute: every head dimension is run like an expert, one
-  matrix product over exactly the tokens that kept it, so the products stay matrix-matrix). The
-  value cache stores full-width heads with zeros outside each token's dimensions, because the attention
-  mixes tokens with different selections. ``pseudo_moe = True`` computes the same thing as a dense
-  product times a 0/1 mask (ToMoE Appendix B.3); a test pins that both agree.
+  ``HeadDimRouter``, the top-K dimensions chosen per token (ToMoE Eq. 4-5): token t's value is zero
+  outside its K dimensions, and the output projection reads only its K dimensions of the attention
+  output. Both are computed as the dense value/output products times each token's 0/1 mask of its
+  dimensions (the form of ToMoE Appendix B.3): the function of computing only the kept dimensions.
+  Computing only those was measured slower on CPU at every token count from one to 512 (one layer of
+  SmolLM2's shape, float32): one small product per head dimension over the tokens that kept it took
+  6.5-23 times the masked products' time, gathering each token's weight rows 5-8 times at one token and
+  more beyond. Selecting rows of projections this small costs more than the half of them it skips. The
+  activated parameters count the K dimensions (the paper's definition). The value cache stores
+  full-width heads with zeros outside each token's dimensions, because the attention mixes tokens with
+  different selections.
 """
 
 from __future__ import annotations
@@ -101,7 +105,6 @@ class PrunedAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv_heads * qk, bias=bias)
         self.v_proj = nn.Linear(d, kv_heads * vo, bias=bias)
         self.o_proj = nn.Linear(heads * vo, d, bias=spec["o_bias"])
-        self.pseudo_moe = False
         self._spec = dict(spec)
 
     def spec(self) -> dict[str, Any]:
@@ -140,41 +143,15 @@ class PrunedAttention(nn.Module):
     def _values(self, x: Tensor, selected: Tensor | None) -> Tensor:
         """(b, t, kv_heads, width) value states; zeros outside each token's dimensions when routed."""
         b, t, _ = x.shape
-        if selected is None:
-            return self.v_proj(x).view(b, t, self.num_kv_heads, -1)
-        if self.pseudo_moe:
-            return self.v_proj(x).view(b, t, self.num_kv_heads, -1) * self._mask(selected)[:, :, None, :]
-        flat = x.reshape(b * t, -1)
-        weight = self.v_proj.weight.view(self.num_kv_heads, self.head_dim, -1)  # (H_kv, hd, d)
-        bias = None if self.v_proj.bias is None else self.v_proj.bias.view(self.num_kv_heads, self.head_dim)
-        values = x.new_zeros(b * t, self.num_kv_heads, self.head_dim)
-        for j, rows in self._routed_tokens(selected):  # dimension j of every kv head, for its tokens only
-            part = flat.index_select(0, rows) @ weight[:, j].t()
-            values[rows, :, j] = part if bias is None else part + bias[:, j]
-        return values.view(b, t, self.num_kv_heads, self.head_dim)
+        values = self.v_proj(x).view(b, t, self.num_kv_heads, -1)
+        return values if selected is None else values * self._mask(selected)[:, :, None, :]
 
     def _output(self, attended: Tensor, selected: Tensor | None) -> Tensor:
         """o_proj of (b, t, heads, width) attention outputs, reading only each token's dimensions."""
         b, t = attended.shape[:2]
-        if selected is None:
-            return self.o_proj(attended.reshape(b, t, -1))
-        if self.pseudo_moe:
-            return self.o_proj((attended * self._mask(selected)[:, :, None, :]).reshape(b, t, -1))
-        flat = attended.reshape(b * t, self.num_heads, self.head_dim)
-        weight = self.o_proj.weight.view(-1, self.num_heads, self.head_dim)  # (d, H, hd)
-        out = attended.new_zeros(b * t, weight.shape[0])
-        for j, rows in self._routed_tokens(selected):
-            out.index_add_(0, rows, flat[rows, :, j] @ weight[:, :, j].t())
-        if self.o_proj.bias is not None:
-            out = out + self.o_proj.bias
-        return out.view(b, t, -1)
-
-    def _routed_tokens(self, selected: Tensor) -> list[tuple[int, Tensor]]:
-        """(dimension j, the flat indices of the tokens that kept j) for every kept dimension: each head
-        dimension is run like an expert, one small matrix product over exactly its tokens."""
-        dims, tokens = self._mask(selected).reshape(-1, self.head_dim).t().nonzero(as_tuple=True)
-        counts = torch.bincount(dims, minlength=self.head_dim).tolist()
-        return [(j, rows) for j, rows in enumerate(tokens.split(counts)) if rows.numel()]
+        if selected is not None:
+            attended = attended * self._mask(selected)[:, :, None, :]
+        return self.o_proj(attended.reshape(b, t, -1))
 
     def _mask(self, selected: Tensor) -> Tensor:
         return torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype,

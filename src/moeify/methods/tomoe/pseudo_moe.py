@@ -1,6 +1,7 @@
-"""ToMoE's runtime option ``pseudo_moe`` (Appendix B.3): run the MoE layers (and routed attention) as
-dense products times 0/1 masks over the union of the experts' neurons instead of gathered experts. The
-logits are the same (tested); the option exists to measure what gathering buys."""
+"""ToMoE's runtime option ``pseudo_moe`` (Appendix B.3): run the MoE layers as dense products times 0/1
+masks over the union of the experts' neurons instead of gathered experts. The logits are the same
+(tested); the option exists to measure what gathering buys. Routed attention always runs that way
+(``runtime.attention``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from transformers import PreTrainedModel
 
 from moeify.moe.accounting import moe_layers
 from moeify.options import OptionError, parse_bool
-from moeify.runtime.attention import PrunedAttention
 
 
 def set_pseudo_moe(model: PreTrainedModel, value: Any) -> Callable[[], None]:
@@ -21,7 +21,6 @@ def set_pseudo_moe(model: PreTrainedModel, value: Any) -> Callable[[], None]:
     modules = [layer for layer in moe_layers(model) if layer.shares_neurons]
     if not modules:
         raise OptionError("pseudo_moe applies to models whose experts share neurons (ToMoE); this one has none")
-    modules += [module for module in model.modules() if isinstance(module, PrunedAttention)]
     before = [module.pseudo_moe for module in modules]
     for module in modules:
         module.pseudo_moe = on
