@@ -55,9 +55,9 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
-def _padded_rows(weight: Tensor, width: int, dim: int = 0) -> Tensor:
-    """``weight`` zero-padded along ``dim`` (its rows; 1: each expert's rows in an (E, w, ...) stack) to ``width``."""
-    return F.pad(weight, (0, 0) * (weight.dim() - 1 - dim) + (0, width - weight.shape[dim]))
+def _padded_rows(weight: Tensor, width: int) -> Tensor:
+    """``weight`` with zero rows appended up to ``width`` rows."""
+    return F.pad(weight, (0, 0) * (weight.dim() - 1) + (0, width - weight.shape[0]))
 
 
 @dataclass
@@ -107,18 +107,27 @@ class PackedExperts:
         """The experts ``used`` (ids, ascending) of ``experts`` (stored once, as index lists into their union)
         in the packed layout, without a shared part: one gather per weight, rows zero-padded to ``width``."""
         neurons, index = experts.neurons, experts.index[used].long()  # (used, w): positions in the union
+        w = index.shape[1]
 
         def first(part: str) -> Tensor | None:  # "weight" or "bias": (union, ...) -> (E, [2] width, ...)
             tensors = [getattr(n, part) for n in (neurons.gate, neurons.up) if n is not None]
             if tensors[-1] is None:
                 return None
-            return torch.cat([_padded_rows(t[index], width, dim=1) for t in tensors], dim=1)
+            out = tensors[-1].new_empty(len(used), len(tensors) * width, *tensors[-1].shape[1:])
+            for k, t in enumerate(tensors):  # each block written in place: no padded or concatenated copies
+                out[:, k * width:k * width + w] = t.index_select(0, index.flatten()).view(len(used), w, *t.shape[1:])
+                out[:, k * width + w:(k + 1) * width] = 0
+            return out
 
         with torch.no_grad():
-            down = experts.down.weight[:, index].permute(1, 0, 2)  # (E, d, w)
-            down = down * float(expert_scale) if expert_scale != 1.0 else down
+            union_down = experts.down.weight  # (d, union)
+            down = union_down.new_empty(len(used), union_down.shape[0], width)
+            down[..., :w] = union_down.index_select(1, index.flatten()).view(-1, len(used), w).permute(1, 0, 2)
+            down[..., w:] = 0
+            if expert_scale != 1.0:
+                down[..., :w] *= float(expert_scale)
             return cls(act=neurons.act, gated=neurons.gated, first=first("weight"), first_bias=first("bias"),
-                       down=F.pad(down, (0, width - index.shape[1])))
+                       down=down)
 
     def shared_output(self, x: Tensor) -> Tensor:
         gate, up, gate_bias, up_bias, down = self.shared
