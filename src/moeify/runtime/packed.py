@@ -114,7 +114,7 @@ class PackedExperts:
             if tensors[-1] is None:
                 return None
             out = tensors[-1].new_empty(len(used), len(tensors) * width, *tensors[-1].shape[1:])
-            for k, t in enumerate(tensors):  # each block written in place: no padded or concatenated copies
+            for k, t in enumerate(tensors):  # gathered into its block of one buffer: no padded or concatenated copies
                 out[:, k * width:k * width + w] = t.index_select(0, index.flatten()).view(len(used), w, *t.shape[1:])
                 out[:, k * width + w:(k + 1) * width] = 0
             return out
