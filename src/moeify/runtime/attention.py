@@ -17,8 +17,8 @@ the whole head): every head keeps the same head dimensions.
   dimensions (the form of ToMoE Appendix B.3): the function of computing only the kept dimensions.
   Computing only those was measured slower on CPU at every token count from one to 512 (one layer of
   SmolLM2's shape, float32): one small product per head dimension over the tokens that kept it took
-  6.5-23 times the masked products' time, gathering each token's weight rows 5-8 times at one token and
-  more beyond. Selecting rows of projections this small costs more than the half of them it skips. The
+  6.5-23 times the masked products' time, gathering each token's weight rows 5-9 times at one to four
+  tokens and more beyond. Selecting rows of projections this small costs more than the half of them it skips. The
   activated parameters count the K dimensions (the paper's definition). The value cache stores
   full-width heads with zeros outside each token's dimensions, because the attention mixes tokens with
   different selections.
@@ -129,8 +129,9 @@ class PrunedAttention(nn.Module):
         cos, sin = position_embeddings
         cos, sin = cos[..., self.qk_index].unsqueeze(1), sin[..., self.qk_index].unsqueeze(1)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        selected = None if self.router is None else self.router(hidden_states)  # (b, t, K)
-        v = self._values(hidden_states, selected).transpose(1, 2)
+        kept = None if self.router is None else self._kept(hidden_states)  # (b, t, 1, head_dim) 0/1
+        v = self.v_proj(hidden_states).view(b, t, self.num_kv_heads, -1)
+        v = (v if kept is None else v * kept).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
@@ -138,24 +139,15 @@ class PrunedAttention(nn.Module):
             from transformers.models.llama.modeling_llama import eager_attention_forward as interface
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                  sliding_window=self.sliding_window, **kwargs)
-        return self._output(out.reshape(b, t, self.num_heads, -1), selected), weights
+        out = out.reshape(b, t, self.num_heads, -1)
+        return self.o_proj((out if kept is None else out * kept).reshape(b, t, -1)), weights
 
-    def _values(self, x: Tensor, selected: Tensor | None) -> Tensor:
-        """(b, t, kv_heads, width) value states; zeros outside each token's dimensions when routed."""
-        b, t, _ = x.shape
-        values = self.v_proj(x).view(b, t, self.num_kv_heads, -1)
-        return values if selected is None else values * self._mask(selected)[:, :, None, :]
-
-    def _output(self, attended: Tensor, selected: Tensor | None) -> Tensor:
-        """o_proj of (b, t, heads, width) attention outputs, reading only each token's dimensions."""
-        b, t = attended.shape[:2]
-        if selected is not None:
-            attended = attended * self._mask(selected)[:, :, None, :]
-        return self.o_proj(attended.reshape(b, t, -1))
-
-    def _mask(self, selected: Tensor) -> Tensor:
-        return torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype,
-                           device=selected.device).scatter(-1, selected, 1.0)
+    def _kept(self, x: Tensor) -> Tensor:
+        """Each token's 0/1 mask of the value/output dimensions its router keeps, (b, t, 1, head_dim): one
+        mask for the value states and the attention output, broadcast over the heads."""
+        selected = self.router(x)  # (b, t, K)
+        mask = torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype, device=x.device)
+        return mask.scatter(-1, selected, 1.0)[:, :, None, :]
 
 
 def install_pruned_attention(model: nn.Module, moeify_block: dict[str, Any]) -> None:
