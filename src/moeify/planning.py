@@ -109,6 +109,7 @@ class MethodMemory:
     recompute: bool = True
     extra_train_activations: int = 0  # bytes per token and layer beyond a plain decoder layer's
     distillation: bool = False  # the loss is a KL against a teacher's log-probabilities (``training.losses``)
+    frozen_in_float32: bool = False  # a low-precision model's frozen weights are held in float32 while training
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,16 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
                              "layer statistics": method.layer_statistics}
     if method.train_tokens:
         tokens = method.train_tokens
-        # A model whose every parameter trains computes in float32 (``training.precision``), else in its dtype.
-        ab = 4 if method.trainable >= shape.params else b
+        # A model whose every parameter trains computes in float32 (``training.precision``), as does one whose
+        # frozen weights are held in float32 while training; else it computes in its dtype.
+        upcast = method.frozen_in_float32 and b < 4
+        ab = 4 if method.trainable >= shape.params or upcast else b
         per_layer = _layer_activations(shape, tokens, ab) + tokens * method.extra_train_activations
         kept = shape.layers * tokens * shape.hidden * ab + per_layer if method.recompute else shape.layers * per_layer
         trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
         copy = trained if mapped or b < 4 else 0
-        phases["train"] = {"weights": weights, "converted weights": written, "trained copy": copy,
+        held = {"frozen weights in float32": shape.params * 4} if upcast else {"weights": weights}
+        phases["train"] = {**held, "converted weights": written, "trained copy": copy,
                            "gradients": trained, "optimizer": 2 * trained, "activations": kept,
                            "logits": _logits(shape, tokens, ab)}
         if method.distillation:
@@ -258,7 +262,7 @@ def calibration_seq_len(shape: ModelShape, cfg: Any) -> int:
 
 def method_memory(shape: ModelShape, cfg: Any, nbytes: int, *, layer_statistics: int | None = None,
                   trainable: int | None = None, extra_train_activations: int = 0,
-                  distillation: bool = False) -> MethodMemory:
+                  distillation: bool = False, frozen_in_float32: bool = False) -> MethodMemory:
     """A method's part of the estimate from its config's common options: ``calib_samples`` x the
     calibration window; the training phase of ``steps`` (every parameter trained, unless ``trainable``
     says otherwise) or of a LoRA fine-tune (``finetune_steps`` / ``finetune_samples``: LoRA's own
@@ -275,4 +279,4 @@ def method_memory(shape: ModelShape, cfg: Any, nbytes: int, *, layer_statistics:
     train_seq = (getattr(cfg, "finetune_seq_len", None) or seq) if finetunes else seq
     count = 0 if finetunes else (shape.params if trainable is None else trainable)
     return MethodMemory(calib, memory.layer_statistics, count, batch // cfg.grad_accum * train_seq, cfg.recompute,
-                        extra_train_activations, distillation)
+                        extra_train_activations, distillation, frozen_in_float32)

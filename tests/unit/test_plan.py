@@ -35,11 +35,15 @@ def test_every_method_plans_its_phases_from_its_options():
     dsmoe, tomoe = plan("llama-2-7b", "dsmoe"), plan("llama-2-7b", "tomoe")
     train = dsmoe.phases["train"]  # bfloat16 weights, float32 masters, gradients and AdamW moments
     assert dsmoe.peak_phase == "train" and train["optimizer"] == 4 * train["weights"] == 2 * train["trained copy"]
-    assert tomoe.phases["train"]["gradients"] < 0.05 * tomoe.phases["train"]["weights"]  # weights frozen
-    # every weight trains: float32 arithmetic, so activations as in a float32 model; ToMoE's autocast: bf16
-    for method, ratio in (("dsmoe", 1), ("tomoe", 2)):
-        float32 = plan("llama-2-7b", method, dtype="float32").phases["train"]
-        bf16 = plan("llama-2-7b", method).phases["train"]
+    held = tomoe.phases["train"]["frozen weights in float32"]  # ToMoE's frozen weights float32 while it trains
+    assert tomoe.phases["train"]["gradients"] < 0.05 * held and held == pytest.approx(6.74e9 * 4, rel=0.01)
+    autocast = plan("llama-2-7b", "tomoe", {"frozen_weights": "working"})
+    assert autocast.phases["train"]["weights"] == pytest.approx(6.74e9 * 2, rel=0.01)
+    # float32 arithmetic (every weight trains, or ToMoE's held in float32): activations as in a float32
+    # model; ToMoE under bfloat16 autocast: half of them
+    for method, options, ratio in (("dsmoe", {}, 1), ("tomoe", {}, 1), ("tomoe", {"frozen_weights": "working"}, 2)):
+        float32 = plan("llama-2-7b", method, options, dtype="float32").phases["train"]
+        bf16 = plan("llama-2-7b", method, options).phases["train"]
         assert float32["activations"] == pytest.approx(ratio * bf16["activations"], rel=0.1)
     assert tomoe.phases["evaluate MoE"]["packed experts"] == 0  # experts stored once
     assert plan("llama-2-7b", "dsmoe", {"recompute": "false"}).phases["train"]["activations"] > \
@@ -72,6 +76,18 @@ def test_convert_stops_before_loading_when_the_plan_does_not_fit(monkeypatch):
                                           r"at a time\), or --dtype bfloat16 .*a machine or device with more"):
         moeify.convert(None, "cmoe", measure_speed=False)
     assert main(["convert", "--method", "cmoe", "--out", "unused", "--no-speed"]) == 2
+
+
+def test_a_tomoe_plan_that_does_not_fit_names_the_frozen_weights_in_the_working_dtype(monkeypatch):
+    memory = plan("llama-2-7b", "tomoe", device="cuda")
+    assert memory.peak_phase == "train"
+    monkeypatch.setattr(plan_api, "available_memory", lambda device: memory.peak // 2)
+    with pytest.raises(OptionError, match=r"frozen weights kept in the working dtype \(--set frozen_weights=working\)"):
+        plan_api.check_fits(memory, "cuda")
+    monkeypatch.setattr(plan_api, "available_memory", lambda device: 0)
+    with pytest.raises(OptionError) as refused:
+        plan_api.check_fits(plan("llama-2-7b", "tomoe", {"frozen_weights": "working"}, device="cuda"), "cuda")
+    assert "frozen_weights" not in str(refused.value)
 
 
 def test_conversion_records_its_plan_and_measured_peak():

@@ -79,6 +79,8 @@ def check_fits(memory: MemoryPlan, device: str, layer_by_layer_possible: bool = 
         hints.append("fewer calibration windows (--set calib_samples=...) or a shorter --set seq_len")
     elif phase == "train":
         hints.append("a smaller micro-batch (--set grad_accum=...) and --set recompute=true")
+        if "frozen weights in float32" in memory.phases[phase]:
+            hints.append("the frozen weights kept in the working dtype (--set frozen_weights=working)")
         hints.append("the training sharded over several devices (torchrun --nproc_per_node N -m moeify convert "
                      "--fsdp ...)")
     else:

@@ -13,6 +13,12 @@ run drifts from its float32 twin. So, as torch's automatic mixed precision does:
   and it computes in float32: autocast would save activation memory and GPU time but its rounded
   gradients move the result (Dense2MoE on SmolLM2, 10 steps: 3.6 % perplexity from the float32 run under
   bfloat16 autocast, 0.06 % in float32 arithmetic: ``benchmarks/bench_bf16.py``);
+- or a method holds its frozen low-precision weights in float32 while it trains (``held_in_float32``):
+  the run then computes exactly what the float32 conversion of the same weights computes (a bfloat16
+  number is a float32 one), at the cost of float32 weights in memory. Where a run's hard decisions make
+  it land elsewhere under the smallest change of its gradients (ToMoE's masks at a few hundred steps:
+  3.4 % perplexity between its autocast and float32 runs on SmolLM2), only this keeps a bfloat16
+  conversion the float32 one's model;
 - float16 (smallest normal 6e-5) under autocast: the gradient of a mean over thousands of tokens
   underflows, so the loss is scaled (``torch.amp.GradScaler``: a dynamic scale; a step whose gradients
   hold inf/NaN is skipped and the scale halved). bfloat16 has float32's range and needs no scaling.
@@ -75,12 +81,29 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def make_masters_(params: Iterable[nn.Parameter]) -> None:
-    """Hold each low-precision parameter in float32, in place: the same ``Parameter`` objects, so an
-    optimizer's references to them stay valid."""
+def make_masters_(params: Iterable[Tensor]) -> None:
+    """Hold each low-precision parameter (or buffer) in float32, in place: the same ``Parameter`` objects,
+    so an optimizer's references to them stay valid."""
     for p in params:
         if p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
+
+
+@contextmanager
+def held_in_float32(module: nn.Module) -> Iterator[None]:
+    """``module``'s low-precision parameters and buffers held in float32, in place, inside the block, and
+    back in their dtypes on leaving (exactly: they were those dtypes' numbers). What computes with the
+    module inside the block computes what the float32 module would; what is built inside it (new layers)
+    stays float32 for the caller to cast."""
+    tensors = [t for t in (*module.parameters(), *module.buffers())
+               if t.is_floating_point() and t.dtype != torch.float32]
+    dtypes = [t.dtype for t in tensors]
+    make_masters_(tensors)
+    try:
+        yield
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
 
 
 @contextmanager

@@ -241,7 +241,8 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
 def memory(shape: ModelShape, cfg: TomoeConfig, nbytes: int) -> MethodMemory:
     """The weights stay frozen: what trains is Theta (per layer Proj_D^MLP's 128 x d_mid and the d x N
     router; the hypernetwork and attention projections are smaller), and the masked MLPs keep their
-    (tokens, d_mid) masks and masked activations for the backward pass; the loss is a distillation KL."""
+    (tokens, d_mid) masks and masked activations for the backward pass; the loss is a distillation KL. With
+    ``frozen_weights=float32`` a low-precision model is held in float32 while Theta trains."""
     trainable = shape.layers * (EMBED_DIM * shape.intermediate + shape.hidden * cfg.num_experts)
     return method_memory(shape, cfg, nbytes, trainable=trainable, extra_train_activations=2 * shape.intermediate * 4,
-                         distillation=True)
+                         distillation=True, frozen_in_float32=cfg.frozen_weights == "float32")
