@@ -6,7 +6,7 @@ run drifts from its float32 twin. So, as torch's automatic mixed precision does:
 
 - the parameters the optimizer updates are held in float32 while training (frozen ones stay in the
   working dtype) and cast back when training ends, so a bfloat16 conversion still saves bfloat16;
-- when weights stay frozen in the working dtype (ToMoE's model, a LoRA fine-tune's base), the forward
+- when weights stay frozen in the working dtype (a LoRA fine-tune's base), the forward
   passes run under ``torch.autocast`` in it: matrix products in it on the rounded float32 weights,
   reductions and the losses in float32 (the backward follows the forward's dtypes);
 - when every parameter is trained (DSMoE, Dense2MoE), the masters make the whole model float32 already,
