@@ -121,8 +121,11 @@ class PackedExperts:
 
         with torch.no_grad():
             union_down = experts.down.weight  # (d, union)
-            down = union_down.new_empty(len(used), union_down.shape[0], width)
-            down[..., :w] = union_down.index_select(1, index.flatten()).view(-1, len(used), w).permute(1, 0, 2)
+            d = union_down.shape[0]
+            down = union_down.new_empty(len(used), d, width)
+            # columns picked by one gather straight into their block (an index_select along dim 1 and a
+            # permuted copy measured 1.1-1.5x slower in float32, 3x in bfloat16)
+            torch.gather(union_down.expand(len(used), d, -1), 2, index[:, None, :].expand(-1, d, w), out=down[..., :w])
             down[..., w:] = 0
             if expert_scale != 1.0:
                 down[..., :w] *= float(expert_scale)
