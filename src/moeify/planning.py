@@ -96,6 +96,10 @@ def preset_shape(name: str) -> ModelShape:
     return ModelShape.from_config(LlamaConfig(**PRESETS[name]), name)
 
 
+# The training phase's part for a low-precision model whose frozen weights are held in float32 while it trains
+FROZEN_IN_FLOAT32 = "frozen weights in float32"
+
+
 @dataclass(frozen=True)
 class MethodMemory:
     """A method's part of the estimate (``Method.memory``): the calibration windows it streams, its
@@ -192,7 +196,7 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
         kept = shape.layers * tokens * shape.hidden * ab + per_layer if method.recompute else shape.layers * per_layer
         trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
         copy = trained if mapped or b < 4 else 0
-        held = {"frozen weights in float32": shape.params * 4} if upcast else {"weights": weights}
+        held = {FROZEN_IN_FLOAT32: shape.params * 4} if upcast else {"weights": weights}
         phases["train"] = {**held, "converted weights": written, "trained copy": copy,
                            "gradients": trained, "optimizer": 2 * trained, "activations": kept,
                            "logits": _logits(shape, tokens, ab)}

@@ -12,7 +12,7 @@ import torch
 from moeify.loading import load_config, model_source, working_dtype
 from moeify.methods import Method, get_method
 from moeify.options import OptionError, build_config
-from moeify.planning import GIB, PRESETS, MemoryPlan, ModelShape, plan_memory, preset_shape
+from moeify.planning import FROZEN_IN_FLOAT32, GIB, PRESETS, MemoryPlan, ModelShape, plan_memory, preset_shape
 
 
 def model_shape(model: str | Path | None) -> ModelShape:
@@ -79,7 +79,7 @@ def check_fits(memory: MemoryPlan, device: str, layer_by_layer_possible: bool = 
         hints.append("fewer calibration windows (--set calib_samples=...) or a shorter --set seq_len")
     elif phase == "train":
         hints.append("a smaller micro-batch (--set grad_accum=...) and --set recompute=true")
-        if "frozen weights in float32" in memory.phases[phase]:
+        if FROZEN_IN_FLOAT32 in memory.phases[phase]:
             hints.append("the frozen weights kept in the working dtype (--set frozen_weights=working)")
         hints.append("the training sharded over several devices (torchrun --nproc_per_node N -m moeify convert "
                      "--fsdp ...)")

@@ -81,9 +81,9 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def make_masters_(params: Iterable[Tensor]) -> None:
-    """Hold each low-precision parameter (or buffer) in float32, in place: the same ``Parameter`` objects,
-    so an optimizer's references to them stay valid."""
+def to_float32_(params: Iterable[Tensor]) -> None:
+    """Hold each low-precision parameter (or buffer) in float32, in place (the masters; frozen weights held in
+    float32): the same ``Parameter`` objects, so an optimizer's references to them stay valid."""
     for p in params:
         if p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -98,7 +98,7 @@ def held_in_float32(module: nn.Module) -> Iterator[None]:
     tensors = [t for t in (*module.parameters(), *module.buffers())
                if t.is_floating_point() and t.dtype != torch.float32]
     dtypes = [t.dtype for t in tensors]
-    make_masters_(tensors)
+    to_float32_(tensors)
     try:
         yield
     finally:
@@ -117,7 +117,7 @@ def mixed_precision(network: nn.Module, optimizer: torch.optim.Optimizer, device
                if p.is_floating_point() and p.dtype != torch.float32]
     original = [p.dtype for p in masters]
     if upcast:
-        make_masters_(masters)
+        to_float32_(masters)
     dtype = low_precision_dtype(network, skip={id(p) for p in masters})  # float32 when every one is a master
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     try:

@@ -44,7 +44,7 @@ from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
 from moeify.offload.allocator import release_freed_memory
 from moeify.training.distributed import world_size
-from moeify.training.precision import make_masters_
+from moeify.training.precision import to_float32_
 
 _MANAGED_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
@@ -75,10 +75,10 @@ class Shards:
         in_layers = {plain for _, _, plain in self.owners}
         outside = {p for p in self.root.parameters() if p not in in_layers}  # the root's own: replicated
         trained = {p for group in self.optimizer.param_groups for p in group["params"]}
-        make_masters_(trained.intersection(outside))
+        to_float32_(trained.intersection(outside))
         for layer in self.layers:
             plain = [p for p in layer.parameters() if p not in self.replicated]
-            make_masters_(trained.intersection(plain))
+            to_float32_(trained.intersection(plain))
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=True,
                         ignored_params={p for p in layer.parameters() if p in self.replicated})
             for param in plain:  # the layer's shards hold its values now
