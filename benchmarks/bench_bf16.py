@@ -43,9 +43,9 @@ from moeify.training.checkpoint import last_checkpoint
 # Training methods at a CPU budget (their defaults: hundreds of steps). ToMoE at 250 of its 600 default steps
 # (a 10-step ToMoE is untrained and chaotic; 600 steps in both dtypes take about 3 h at 7-10 s a step here),
 # without activation checkpointing (memory is not short here: 4.3 GiB peak), checkpointed often enough to
-# stop and resume (--work)
+# stop and resume (--work). DSMoE at 30 steps: its gates start at logit 1 and take about that long to cross tau.
 OPTIONS = {"tomoe": {"steps": 250, "recompute": False, "checkpoint_every": 25},
-           "dsmoe": {"steps": 10, "checkpoint_every": 0},
+           "dsmoe": {"steps": 30, "checkpoint_every": 0},
            "dense2moe": {"steps": 10, "checkpoint_every": 0, "seq_len": 256}}
 METHODS = "cmoe,more,static_prune,random_split,teal,tomoe,dsmoe,dense2moe"
 

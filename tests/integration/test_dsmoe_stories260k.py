@@ -3,9 +3,9 @@ tokens of the embedded training slice), evaluated on held-out TinyStories text f
 
 One default run takes about 20 s of training and 15 s of evaluation and analyses on this 2-core CPU
 when nothing else runs on it (the file: 88 s; 15 minutes when the CPU is shared); it trains two models
-(``full`` and ``no_ste``). Measured when written: ``full`` at tau = 0.5, APR 0.928 (MLP ratio 0.901),
-perplexity 6.10 (dense 4.648); ``no_ste`` at its own tau 0.5 APR 0.273, perplexity 51.7, and at
-tau 0.162, where it activates APR 0.933, perplexity 29.8. The STE ablation over several sparsity
+(``full`` and ``no_ste``). Measured when written: ``full`` at tau = 0.5, APR 0.921, perplexity 5.98
+(dense 4.648); ``no_ste`` at its own tau 0.5 APR 0.325, perplexity 33.8, and at tau 0.057, where it
+activates APR 0.929, perplexity 22.0. The STE ablation over several sparsity
 weights and the fine tau sweep are in ``benchmarks/bench_dsmoe.py`` (numbers in the README)."""
 
 import pytest

@@ -2,13 +2,14 @@
 compute, the training device against the sparse layer, the straight-through gradients, resuming."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from moeify.methods.dsmoe import DsmoeConfig
 from moeify.methods.dsmoe.convert import contiguous_partition, convert
-from moeify.methods.dsmoe.train import DsmoeTrainingMLP, sparsity_term
+from moeify.methods.dsmoe.train import DsmoeTrainingMLP, margin_gates_, sparsity_term
 from moeify.moe.accounting import moe_layers, nominal_activated_parameters
 from moeify.moe.build import moe_from_partition
 from moeify.options import OptionError, build_config
@@ -136,8 +137,35 @@ def test_training_learns_gates_and_hardens_into_sparse_layers(make_ctx):
     assert not any(isinstance(m, DsmoeTrainingMLP) for m in ctx.model.modules())
 
 
+def test_margin_start_fits_every_gate_to_the_margin_and_starts_as_the_dense_model(make_ctx):
+    """With fewer tokens than the hidden size the least-squares fit is exact: every token of the batch
+    starts with each gate at sigma(margin), which weighs 1, so the start model is the dense one."""
+    dense, ctx, _ = converted("llama", make_ctx, steps=0)
+    layers = moe_layers(ctx.model)
+    for layer in layers:
+        layer.router.gate_scale = 1 + math.exp(-1.5)  # 1 / sigma(1.5), as gate_margin=1.5 builds them
+    batch = IDS[:1, :24]  # 24 tokens < d = 64
+    lowest = margin_gates_(ctx.model, layers, batch, 1.5)
+    assert lowest == pytest.approx(1.5, abs=1e-4)
+    logits = []
+    hooks = [layer.router.register_forward_hook(lambda m, a, out: logits.append(m.proj(a[0]))) for layer in layers]
+    with torch.no_grad():
+        torch.testing.assert_close(ctx.model(batch).logits, dense(batch).logits, atol=1e-4, rtol=0)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(torch.cat(logits), torch.full_like(torch.cat(logits), 1.5), atol=1e-4, rtol=0)
+    assert all(torch.equal(layer.router.proj.weight[0], layer.router.proj.weight[-1]) for layer in layers)
+
+
+def test_default_training_starts_from_gates_on_and_records_the_fit(make_ctx):
+    _, _, details = converted("qwen2", make_ctx, steps=1)
+    training = details["training"]
+    assert training["gate_start_lowest_logit"] > 0  # every token of the first batch starts with its experts on
+    assert training["first_sparsity"] == pytest.approx(1 / (1 + math.exp(-1.0)), abs=0.05)  # mean g = sigma(1)
+
+
 def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_path, monkeypatch):
-    options = dict(steps=5, checkpoint_every=2, gate_init_std=0.1)
+    options = dict(steps=5, checkpoint_every=2, gate_init="random")
     _, reference, _ = converted("qwen2", make_ctx, work_dir=tmp_path / "a", **options)
     kill_in_step(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
@@ -157,6 +185,8 @@ def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_pat
     ({"num_experts": "1"}, r"num_experts=1 is out of range; allowed: \[2, inf\]"),
     ({"lr": "0"}, r"lr=0.0 is out of range; allowed: \(0.0, inf\]"),
     ({"top_k": "2"}, r"unknown option\(s\) top_k"),
+    ({"tau": "0.8"}, r"gate_margin=1.0 starts the gates at sigma\(1.0\) = 0.731, not above tau=0.8; allowed: "
+                     r"gate_margin > 1.386"),
 ])
 def test_bad_options_fail_with_value_and_allowed_range(options, message):
     with pytest.raises(OptionError, match=message):
@@ -207,6 +237,8 @@ def test_the_paper_weighting_is_eq_7_8_and_a_random_start_uses_it():
     torch.testing.assert_close(got, expected)
     neutral_dispatch = neutral.router(x)
     torch.testing.assert_close(neutral_dispatch.weight, 2 * dispatch.weight)  # 1 / sigma(0) on top
-    assert gate_scale(DsmoeConfig(gate_init_std=0.1)) == 1.0 and gate_scale(DsmoeConfig()) == 2.0
-    assert gate_scale(DsmoeConfig(gate_init_std=0.1, gate_weighting="neutral")) == 2.0
+    assert gate_scale(DsmoeConfig(gate_init="random")) == 1.0
+    assert gate_scale(DsmoeConfig(gate_init="random", gate_weighting="neutral")) == 2.0
+    assert gate_scale(DsmoeConfig(gate_init="zero")) == gate_scale(DsmoeConfig(steps=0)) == 2.0  # g0 = 1/2
+    assert gate_scale(DsmoeConfig(gate_margin=2.0)) == pytest.approx(1 + math.exp(-2.0))  # 1 / sigma(2)
     assert ThresholdRouter(8, 2, gate_scale=1.0).spec()["gate_scale"] == 1.0  # saved with the model

@@ -101,21 +101,23 @@ def test_dtype_on_the_command_line_reaches_the_weights_and_the_record(tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["ppl"]
 
 
-@pytest.mark.parametrize("frozen_weights", ["float32", "working"])
-def test_tomoe_in_bfloat16_trains_as_the_float32_conversion_of_the_same_weights(frozen_weights, checkpoint, tokenizer,
-                                                                                 calib_text):
-    """ToMoE's frozen weights are held in float32 while it trains (the default): a bfloat16 conversion then
-    takes the float32 conversion's steps exactly (a bfloat16 number is a float32 one) and ends as its model
-    rounded to bfloat16. Under bfloat16 autocast (``working``) the steps differ from the first."""
-    method = next(m for m in METHODS if m.name == "tomoe")
-    config = build_config(method.config_cls, {**FAST["tomoe"], "frozen_weights": frozen_weights})
+@pytest.mark.parametrize("name,options", [("tomoe", {"frozen_weights": "float32"}),
+                                          ("tomoe", {"frozen_weights": "working"}),
+                                          ("dsmoe", {"steps": 3})])
+def test_training_in_bfloat16_takes_the_float32_conversions_steps(name, options, checkpoint, tokenizer, calib_text):
+    """ToMoE's frozen weights are held in float32 while it trains (the default), DSMoE trains float32
+    masters and fits its gates' start in float32: a bfloat16 conversion then takes the float32
+    conversion's steps exactly (a bfloat16 number is a float32 one) and ends as its model rounded to
+    bfloat16. Under bfloat16 autocast (ToMoE's ``working``) the steps differ from the first."""
+    method = next(m for m in METHODS if m.name == name)
+    config = build_config(method.config_cls, {**FAST[name], **options})
     models, losses = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         model = bf16_model(checkpoint)  # rotary frequencies float32, as loaded (a .to(bfloat16) would round them)
         models[dtype] = model.float() if dtype == torch.float32 else model
         details = method.run(conversion_context(models[dtype], tokenizer, calib_text), config)
         losses[dtype] = details["training"]["losses"]
-    if frozen_weights == "working":
+    if options.get("frozen_weights") == "working":
         assert losses[torch.bfloat16][0] != losses[torch.float32][0]
         return
     assert losses[torch.bfloat16] == losses[torch.float32]

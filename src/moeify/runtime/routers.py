@@ -212,7 +212,7 @@ def passing_gates(gates: Tensor, tau: float) -> Tensor:
     """DSMoE's condition of G (Eq. 7), g_i >= tau: (tokens, experts) bool. The paper writes g > tau; the
     two differ only where g equals tau exactly, which in practice happens only for untrained gates
     (Y = 0, g = 1/2) at tau = 1/2: counting that tie as passing makes the untrained model at the default
-    tau the dense model, so training starts from it."""
+    tau the dense model."""
     return gates >= tau
 
 
@@ -226,7 +226,8 @@ def rescaled_gate_weights(values: Tensor, active: Tensor, gate_scale: float = NE
     n / |A| is Eq. 8's rescale by the number of active experts (|A| = 0 is taken as 1: a token whose
     gates all stay below tau gets no expert, so its output is zero). ``gate_scale = 1`` is Eq. 7-8
     exactly; the default 1 / sigma(0) = 2 makes an untrained gate (Y = 0) neutral, so that with every
-    expert on the layer is the dense MLP (Eq. 7 alone would halve it)."""
+    expert on the layer is the dense MLP (Eq. 7 alone would halve it); DSMoE's training sets 1 / g0 for
+    gates that start at g0."""
     rescale = active.shape[-1] / active.sum(dim=-1, keepdim=True).clamp_min(1)  # n / |A|; Eq. 8
     return values * (rescale * gate_scale)
 
@@ -235,7 +236,7 @@ class ThresholdRouter(nn.Module):
     """DSMoE's router (Lv et al., 2025, Eq. 7-8): sigmoid gates g = sigma(x Y), Y in R^{d x n} (stored as
     ``proj.weight``, (n, d)); expert i runs for a token when g_i >= tau, so the number of experts per token
     varies (none included), weighted by ``rescaled_gate_weights`` with ``gate_scale`` (1: Eq. 7-8 exactly;
-    2: an untrained gate is neutral). ``tau`` is a runtime option; the
+    2: an untrained gate is neutral; 1 / g0: a gate at its start value g0 is). ``tau`` is a runtime option; the
     expert count per token depends on the data, so there is no nominal count (``expected_experts`` is
     None) and the activated ratio is always measured."""
 

@@ -5,21 +5,23 @@
    blocks (sizes differing by at most one when d_h is not a multiple, larger first: 172 into 8 gives
    4 x 22 + 4 x 21); no shared part. The sum of every expert's output is the dense MLP exactly.
 2. Gates (Eq. 7-8): g = sigma(x Y), Y in R^{d x n}; expert i contributes when its gate passes tau, with
-   weight (n / |A|) * g_i / sigma(0), |A| the token's number of active experts (``ThresholdRouter``).
-   Three choices the paper leaves open, made so that the conversion is exact before training:
+   weight (n / |A|) * g_i * s, |A| the token's number of active experts, s the gate scale
+   (``ThresholdRouter``). Three choices the paper leaves open, made so that the conversion is exact:
    - Y = 0 at conversion, so g = 1/2 for every token and expert.
-   - The gate value enters relative to an untrained gate (divided by sigma(0) = 1/2): Eq. 7's
-     "o_i * G(g_i)" alone would halve the MLP with every expert on. With every gate passing, |A| = n
+   - The gate value enters relative to its start value g0 (s = 1 / g0, ``gate_weighting=neutral``):
+     Eq. 7's "o_i * G(g_i)" alone would scale the MLP by g0 with every expert on. Untrained, g0 = 1/2
      and every weight is 2 * 1/2 = 1: the dense model (tested on every family at tau = 0).
    - A gate passes when g >= tau (the paper: g > tau). They differ only at g = tau exactly, i.e. for
      untrained gates at tau = 1/2, which therefore pass: the untrained model at the default tau is the
-     dense model too, and training starts from it (``dsmoe_train``).
+     dense model too.
    A token none of whose gates passes tau gets no expert: the layer's output for it is the MLP's output
    bias alone (zero in bias-free families, so its residual stream passes on unchanged), and it counts as
    zero activated experts. Eq. 8 would divide by zero; skipping the FFN is what "propagated only when
    the gate exceeds tau" says.
 3. Continued training (§4.2-4.3, ``dsmoe_train``): straight-through estimator, LM + sparsity loss, and
-   the ablations ``no_ste`` (§6.1) and ``no_gate`` (§6.2) as ``variant``.
+   the ablations ``no_ste`` (§6.1) and ``no_gate`` (§6.2) as ``variant``. By default the gates start
+   on, fitted so that x Y = 1 for the tokens of the first batch (g0 = sigma(1) = 0.73, each weighing
+   1: the dense model up to the fit's residual), not at the threshold (see ``train.py``).
 4. Inference: ``MoeMLP`` runs only the experts whose gates pass tau, per token; ``tau`` is a runtime
    option (``moeify eval DIR --set tau=0.6``).
 5. Analyses (``dsmoe_analysis``): perplexity and activated-parameter ratio for tau in 0.2..0.8

@@ -1,8 +1,8 @@
 """DSMoE's analyses of a converted model on held-out text, written into the record (``details.analysis``).
 
 - Appendix A, Table 4: perplexity and activated-parameter ratio for tau in 0.2, 0.3, ..., 0.8 (and the
-  model's own tau) on each evaluation file. Raising tau can only switch gates off (the active set at tau' > tau is a subset), so
-  the activated ratio never grows with tau.
+  model's own tau) on each evaluation file. Raising tau can only switch gates off (the active set at
+  tau' > tau is a subset), so the activated ratio never grows with tau.
 - §6.3, Fig. 3: the mean number of activated experts per token in each layer on each evaluation file
   at the model's tau, as a heatmap PNG (files x layers) beside the model.
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from transformers import PreTrainedConfig
 
-from moeify.options import method_config, option, require_at_most, require_multiple
-from moeify.runtime.routers import NEUTRAL_GATE_SCALE
+from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
 
 
 @method_config
@@ -24,10 +24,16 @@ class DsmoeConfig:
     grad_accum: int = option(1, "micro-batches per step (batch_size must be a multiple)", low=1)
     seq_len: int | None = option(None, "training window (default: min(256, model context))", low=2)
     sparsity_weight: float = option(1.0, "weight of the sparsity loss (1 in Eq. 17-19)", low=0.0)
-    gate_init_std: float = option(0.0, "std of a random gate init when training starts (0: Y = 0, all on)", low=0.0)
+    gate_init: Literal["margin", "zero", "random"] = option(
+        "margin", "where training starts the gates: margin: every gate on at about sigma(gate_margin), Y fit by least "
+                  "squares on the first training batch; zero: Y = 0, every gate at the threshold 1/2; random: "
+                  "Y ~ N(0, gate_init_std^2), the paper's (§4.2)")
+    gate_margin: float = option(1.0, "start logit x Y of every gate with gate_init=margin", low=0.0, low_open=True)
+    gate_init_std: float = option(0.1, "std of Y with gate_init=random", low=0.0, low_open=True)
     gate_weighting: Literal["auto", "paper", "neutral"] = option(
-        "auto", "expert weight g n/|A| as Eq. 7-8 (paper) or 2 g n/|A| so that an untrained gate weighs 1 "
-                "(neutral); auto: paper with a random gate init, neutral from Y = 0")
+        "auto", "expert weight g n/|A| as Eq. 7-8 (paper) or g n/|A| / g0 so that a gate at its start value g0 "
+                "weighs 1 (neutral: the layer starts as the dense MLP); auto: paper with gate_init=random, else "
+                "neutral")
     checkpoint_every: int = option(100, "steps between checkpoints in the work folder (0: at the end only)",
                                    low=0)
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
@@ -37,6 +43,10 @@ class DsmoeConfig:
 
     def validate(self) -> None:
         require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
+        if self.steps and self.gate_init == "margin" and sigmoid(self.gate_margin) <= self.tau:
+            raise OptionError(f"gate_margin={self.gate_margin} starts the gates at sigma({self.gate_margin}) = "
+                              f"{sigmoid(self.gate_margin):.3f}, not above tau={self.tau}; allowed: gate_margin > "
+                              f"{logit(self.tau):.3f} (logit of tau)")
 
     def check(self, model_config: PreTrainedConfig) -> None:
         require_at_most("num_experts", self.num_experts, model_config.intermediate_size, "the MLP width d_h")
@@ -46,9 +56,24 @@ class DsmoeConfig:
         return self.seq_len or min(256, model_config.max_position_embeddings)
 
 
+def start_logit(cfg: DsmoeConfig) -> float:
+    """The logit x Y at which the gates start: ``gate_margin`` where training fits them to it, else 0 (Y = 0
+    as converted; a random start is centred on 0 too)."""
+    return cfg.gate_margin if cfg.steps and cfg.gate_init == "margin" else 0.0
+
+
 def gate_scale(cfg: DsmoeConfig) -> float:
-    """The layers' gate scale: 1 for Eq. 7-8 exactly, 1 / sigma(0) for neutral untrained gates."""
+    """The layers' gate scale: 1 for Eq. 7-8 exactly, 1 / g0 for gates that are neutral at their start
+    value g0 = sigma(start logit) (1 / sigma(0) = 2 for Y = 0)."""
     weighting = cfg.gate_weighting
     if weighting == "auto":
-        weighting = "paper" if cfg.gate_init_std > 0 else "neutral"
-    return 1.0 if weighting == "paper" else NEUTRAL_GATE_SCALE
+        weighting = "paper" if cfg.gate_init == "random" else "neutral"
+    return 1.0 if weighting == "paper" else 1.0 / sigmoid(start_logit(cfg))
+
+
+def sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def logit(p: float) -> float:
+    return math.log(p / (1.0 - p)) if 0.0 < p < 1.0 else math.copysign(math.inf, p - 0.5)
