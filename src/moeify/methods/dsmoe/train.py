@@ -40,8 +40,8 @@ Choices the paper leaves open:
   default, Eq. 7-8 exactly (``paper``, scale 1) with the paper's random start, where the layer starts
   at about 1.08x the dense output at std 0.1 (the paper's function), not 2.16x.
 - AdamW with torch's defaults (betas 0.9/0.999, weight decay 0.01) at a constant learning rate; the
-  gates have their own learning rate (``gate_lr``), because they must move much farther from zero than
-  the pre-trained weights should move in a short run.
+  gates have their own learning rate (``gate_lr``), because they must move much farther from their start
+  than the pre-trained weights should move in a short run.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ def random_gates_(layers: list[MoeMLP], std: float, seed: int) -> None:
 def margin_gates_(model: nn.Module, layers: list[MoeMLP], batch: Tensor, margin: float) -> float:
     """Fit every layer's gates so that x Y = ``margin`` for each token x of ``batch`` in the least-squares
     sense (every expert of a layer the same Y_i), layer after layer in one forward pass of ``model`` (the
-    decoder: the LM head's logits are not needed): each layer's fit
-    sees the inputs that the layers before it, already fitted, give. Returns the lowest start logit over
-    the batch's tokens (below 0, a token would start with that layer's experts off)."""
+    decoder: the LM head's logits are not needed), so that each layer's fit sees the inputs that the
+    layers before it, already fitted, give. Returns the lowest start logit over the batch's tokens
+    (below 0, a token would start with that layer's experts off)."""
     lowest = math.inf
 
     def fit(layer: MoeMLP, args: tuple[Tensor, ...]) -> None:
