@@ -120,3 +120,35 @@ def test_every_method_converts_the_gguf_and_the_folder_loads_with_moeify_and_tra
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
         assert torch.equal(remote(ids).logits, native)
     assert AutoTokenizer.from_pretrained(out)(PROMPT, return_tensors="pt").input_ids.equal(ids)
+
+
+def test_dsmoe_training_starts_with_every_gate_on_for_held_out_tokens(smollm2, texts):
+    """DSMoE's margin start on a real model, with a batch far below 4 d tokens (1 x 128, d = 576): the fit
+    draws 4 d tokens of the training text, and every gate of every layer then starts on (x Y > 0) for
+    every token of held-out text too."""
+    import copy
+
+    from moeify.calibration.data import read_text, token_stream
+    from moeify.methods.base import ConversionContext
+    from moeify.methods.dsmoe import DsmoeConfig
+    from moeify.methods.dsmoe.convert import partition_model_
+    from moeify.methods.dsmoe.train import start_gates_
+    from moeify.options import build_config
+
+    _, (model, tokenizer) = smollm2
+    ctx = ConversionContext(copy.deepcopy(model), tokenizer, read_text(texts / "calib.txt"), 0, torch.device("cpu"),
+                            progress=False)
+    cfg = build_config(DsmoeConfig, {"batch_size": 1, "seq_len": 128})
+    partition_model_(ctx, cfg)
+    layers = [ctx.adapter.mlp_module(i) for i in range(ctx.adapter.num_layers)]
+    start = start_gates_(ctx, cfg, layers, token_stream(ctx.calib, tokenizer), 128, resuming=False)
+    assert start["gate_start_fit_tokens"] >= 4 * model.config.hidden_size
+    logits = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: logits.append(m.router.proj(args[0]).min()))
+             for layer in layers]
+    ids = tokenizer((texts / "eval.txt").read_text(), return_tensors="pt").input_ids
+    with torch.no_grad():
+        ctx.model(ids)
+    for hook in hooks:
+        hook.remove()
+    assert len(logits) == len(layers) and min(logits) > 0

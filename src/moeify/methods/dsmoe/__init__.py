@@ -20,8 +20,8 @@
    the gate exceeds tau" says.
 3. Continued training (§4.2-4.3, ``dsmoe_train``): straight-through estimator, LM + sparsity loss, and
    the ablations ``no_ste`` (§6.1) and ``no_gate`` (§6.2) as ``variant``. By default the gates start
-   on, fitted so that x Y = 1 for the tokens of the first batch (g0 = sigma(1) = 0.73, each weighing
-   1: the dense model up to the fit's residual), not at the threshold (see ``train.py``).
+   on, fitted so that x Y = 1 on at least 4 d tokens of the training text (g0 = sigma(1) = 0.73, each
+   weighing 1: the dense model up to the fit's residual), not at the threshold (see ``train.py``).
 4. Inference: ``MoeMLP`` runs only the experts whose gates pass tau, per token; ``tau`` is a runtime
    option (``moeify eval DIR --set tau=0.6``).
 5. Analyses (``dsmoe_analysis``): perplexity and activated-parameter ratio for tau in 0.2..0.8

@@ -26,8 +26,8 @@ class DsmoeConfig:
     sparsity_weight: float = option(1.0, "weight of the sparsity loss (1 in Eq. 17-19)", low=0.0)
     gate_init: Literal["margin", "zero", "random"] = option(
         "margin", "where training starts the gates: margin: every gate on at about sigma(gate_margin), Y fit by least "
-                  "squares on the first training batch; zero: Y = 0, every gate at the threshold 1/2; random: "
-                  "Y ~ N(0, gate_init_std^2), the paper's (§4.2)")
+                  "squares on at least 4 d tokens of the training text; zero: Y = 0, every gate at the threshold "
+                  "1/2; random: Y ~ N(0, gate_init_std^2), the paper's (§4.2)")
     gate_margin: float = option(1.0, "start logit x Y of every gate with gate_init=margin", low=0.0, low_open=True)
     gate_init_std: float = option(0.1, "std of Y with gate_init=random", low=0.0, low_open=True)
     gate_weighting: Literal["auto", "paper", "neutral"] = option(

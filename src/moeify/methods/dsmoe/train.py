@@ -28,14 +28,16 @@ Choices the paper leaves open:
   at tau = 1/2, the dense model) is no better: the threshold is a knife edge, and the first optimizer
   step, however small (measured on SmolLM2-135M down to gate_lr 1e-5), moves about a third of the
   gates below it at once; with Eq. 8's n / |A| on the rest, the LM loss jumps from 3.5 to 16 in one
-  step. The default (``margin``) starts every gate on, away from the edge: in one forward pass over
-  the first training batch each layer's Y_i is fit by least squares to x Y_i = ``gate_margin`` (1, g0
-  = 0.73) for every token x, the layers before it already fitted. MLP inputs of pretrained LLMs share
-  a common direction, so the fit is close (SmolLM2-135M: the lowest start logit over the first batch is
-  0.85; ``gate_start_lowest_logit`` is recorded). The sparsity loss then lowers the gates until the
-  least useful cross tau, one token and expert at a time. SmolLM2-135M on WikiText-2 (4,000 characters
-  of test, dense perplexity 28.4): ``margin`` starts at the dense LM loss (3.50) and scores 26.8 after
-  30 steps at APR 0.94; ``zero`` scores 1,553 and ``random`` (first LM loss 11.0) 1,334 after 10.
+  step. The default (``margin``) starts every gate on, away from the edge: each layer's Y_i is fit by
+  least squares to x Y_i = ``gate_margin`` (1, g0 = 0.73) for every token x of windows of the training
+  text, at least ``FIT_TOKENS_PER_DIM`` x d tokens (the first batch's count where that is more), a
+  decoder layer at a time in float32, the layers before it already fitted. MLP inputs of pretrained
+  LLMs share a common direction, so the fit is close (SmolLM2-135M: the lowest start logit over the
+  fitted tokens is recorded as ``gate_start_lowest_logit``). The sparsity loss then lowers the gates
+  until the least useful cross tau, one token and expert at a time. SmolLM2-135M on WikiText-2 (4,000
+  characters of test, dense perplexity 28.4): ``margin`` starts at the dense LM loss (3.50) and scores
+  26.8 after 30 steps at APR 0.94; ``zero`` scores 1,553 and ``random`` (first LM loss 11.0) 1,334
+  after 10.
 - The gate scale (``gate_weighting``): ``neutral`` (1 / g0, the layer starts as the dense MLP) by
   default, Eq. 7-8 exactly (``paper``, scale 1) with the paper's random start, where the layer starts
   at about 1.08x the dense output at std 0.1 (the paper's function), not 2.16x.
@@ -47,19 +49,23 @@ Choices the paper leaves open:
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from moeify.calibration.data import token_stream
+from moeify.calibration.hooks import capture_inputs
+from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import passing_gates, rescaled_gate_weights
+from moeify.training.checkpoint import latest_step
 from moeify.training.loop import Checkpointing, TrainPlan, random_windows, train
 from moeify.training.losses import lm_loss
-from moeify.training.precision import held_in_float32
+from moeify.training.precision import to_float32_
 
 
 def straight_through(values: Tensor, gates: Tensor) -> Tensor:
@@ -132,51 +138,81 @@ def random_gates_(layers: list[MoeMLP], std: float, seed: int) -> None:
             weight.copy_(torch.randn(weight.shape, generator=generator) * std)
 
 
-def margin_gates_(model: nn.Module, layers: list[MoeMLP], batch: Tensor, margin: float) -> float:
-    """Fit every layer's gates so that x Y = ``margin`` for each token x of ``batch`` in the least-squares
-    sense (every expert of a layer the same Y_i), layer after layer in one forward pass of ``model`` (the
-    decoder: the LM head's logits are not needed), so that each layer's fit sees the inputs that the
-    layers before it, already fitted, give. Returns the lowest start logit over the batch's tokens
-    (below 0, a token would start with that layer's experts off)."""
-    lowest = math.inf
+#: Tokens the margin fit sees per hidden dimension. With fewer the least-squares fit follows its own
+#: tokens and not the direction MLP inputs share: SmolLM2-135M (d = 576), start logits of 2,048 held-out
+#: tokens, fitted on 2,048 tokens (3.6 d): none at or below 0; 1,280 (2.2 d): 5.3 % in some layer; 256:
+#: 32 %. With 4 d the fit generalises whatever the batch (a 7B model's default batch of 2,048 tokens is d / 2).
+FIT_TOKENS_PER_DIM = 4
 
-    def fit(layer: MoeMLP, args: tuple[Tensor, ...]) -> None:
-        nonlocal lowest
-        x = args[0].reshape(-1, args[0].shape[-1]).detach().to("cpu", torch.float64)
-        target = torch.full((x.shape[0], 1), margin, dtype=torch.float64)
-        y = torch.linalg.lstsq(x, target, driver="gelsd").solution[:, 0]  # min-norm when tokens < d
-        lowest = min(lowest, float((x @ y).min()))
-        weight = layer.router.proj.weight
-        weight.copy_(y.to(weight.dtype).expand_as(weight))
 
-    hooks = [layer.register_forward_pre_hook(fit) for layer in layers]
-    try:
-        with torch.no_grad():
-            model(batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return lowest
+class MarginFit:
+    """One layer's least-squares fit of x Y = margin over every token its MLP sees: X^T X and X^T 1 summed
+    in float64 over the chunks of a pass (memory d^2, whatever the number of tokens), then solved; a
+    second pass records the lowest start logit x Y."""
+
+    def __init__(self, hidden_size: int) -> None:
+        self.gram = torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
+        self.sums = torch.zeros(hidden_size, dtype=torch.float64)
+        self.y: Tensor | None = None
+        self.lowest = math.inf
+
+    def add(self, x: Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to("cpu", torch.float64)
+        self.gram += x.T @ x
+        self.sums += x.sum(0)
+
+    def solve(self, margin: float) -> Tensor:
+        """Y minimising |X Y - margin|; the least-norm one where X^T X is singular (fewer tokens than d)."""
+        self.y = torch.linalg.lstsq(self.gram, margin * self.sums[:, None], driver="gelsd").solution[:, 0]
+        return self.y
+
+    def check(self, x: Tensor) -> None:
+        self.lowest = min(self.lowest, float((x.reshape(-1, x.shape[-1]).to("cpu", torch.float64) @ self.y).min()))
+
+
+def margin_gates_(ctx: ConversionContext, layers: list[MoeMLP], windows: Tensor, margin: float,
+                  batch_size: int) -> float:
+    """Fit every layer's gates so that x Y = ``margin`` for each token x of ``windows`` in the least-squares
+    sense (every expert of a layer the same Y_i), a decoder layer at a time in float32 (the layers before it
+    already fitted, so each fit sees the inputs they give), ``batch_size`` windows per forward. Y is left in
+    float32. Returns the lowest start logit over the tokens (below 0, a token would start with that layer's
+    experts off)."""
+    fits = []
+    with ExitStack() as checks:
+        for step in stream_layers(ctx.model, ctx.adapter, windows, device=ctx.device, batch_size=batch_size):
+            moe = layers[step.index]
+            fit = MarginFit(moe.router.proj.in_features)
+            with capture_inputs(moe, fit.add):
+                step.run()
+            weight = moe.router.proj.weight
+            with torch.no_grad():
+                weight.copy_(fit.solve(margin).to(weight.dtype).expand_as(weight))
+            checks.enter_context(capture_inputs(moe, fit.check))  # the pass's own run of the fitted layer
+            fits.append(fit)
+    for layer, fit in zip(layers, fits):  # the pass casts what it computed in back to the working dtype
+        layer.router.proj.weight.data = fit.y.float().expand_as(layer.router.proj.weight).clone()
+    return min(fit.lowest for fit in fits)
 
 
 def start_gates_(ctx: ConversionContext, cfg: DsmoeConfig, layers: list[MoeMLP], stream: Tensor,
-                 seq_len: int) -> dict[str, Any]:
-    """Set the gates where training starts (``gate_init``); returns what to record of the start.
+                 seq_len: int, resuming: bool) -> dict[str, Any]:
+    """Set the gates where training starts (``gate_init``; not when ``resuming`` a checkpoint, which holds
+    them); returns what to record of the start.
 
-    The margin fit runs with the model held in float32 and leaves Y in float32 (training's masters are
-    float32 whatever the working dtype), so that a bfloat16 conversion fits, and then trains, exactly as
-    the float32 conversion of the same weights; ``harden_gates_`` casts Y back after training."""
+    Y is float32 from here to the end of training (training's masters are float32 whatever the working
+    dtype), and the margin fit computes in float32, so that a bfloat16 conversion starts, and then trains,
+    exactly as the float32 conversion of the same weights; ``harden_gates_`` casts Y back after training."""
+    to_float32_(layer.router.proj.weight for layer in layers)
+    if resuming:
+        return {}
     if cfg.gate_init == "random":
         random_gates_(layers, cfg.gate_init_std, ctx.seed)
     if cfg.gate_init != "margin":
         return {}
-    first = random_windows(stream, seq_len, cfg.batch_size, torch.Generator().manual_seed(train_seed(ctx)))
-    with held_in_float32(ctx.model):
-        lowest = margin_gates_(ctx.model.base_model, layers, first.to(ctx.device), cfg.gate_margin)
-        fitted = [layer.router.proj.weight.data for layer in layers]
-    for layer, y in zip(layers, fitted):
-        layer.router.proj.weight.data = y
-    return {"gate_start_lowest_logit": lowest}
+    count = max(cfg.batch_size, math.ceil(FIT_TOKENS_PER_DIM * layers[0].router.proj.in_features / seq_len))
+    windows = random_windows(stream, seq_len, count, torch.Generator().manual_seed(train_seed(ctx)))
+    lowest = margin_gates_(ctx, layers, windows, cfg.gate_margin, cfg.batch_size)
+    return {"gate_start_lowest_logit": lowest, "gate_start_fit_tokens": windows.numel()}
 
 
 def harden_gates_(layers: list[MoeMLP]) -> None:
@@ -187,7 +223,7 @@ def harden_gates_(layers: list[MoeMLP]) -> None:
 
 
 def train_seed(ctx: ConversionContext) -> int:
-    """The seed of the training's batches (its first batch is what ``gate_init=margin`` fits on)."""
+    """The seed of the training's batches (and of the windows ``gate_init=margin`` fits on)."""
     return ctx.seed + 1
 
 
@@ -206,7 +242,10 @@ def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) ->
     adapter = ctx.adapter
     layers: list[MoeMLP] = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
     stream = token_stream(ctx.calib, ctx.tokenizer)
-    start = start_gates_(ctx, cfg, layers, stream, seq_len)
+    checkpointing = None if ctx.work_dir is None else Checkpointing(
+        ctx.work_dir / "dsmoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
+    resuming = checkpointing is not None and cfg.resume and latest_step(checkpointing.folder) is not None
+    start = start_gates_(ctx, cfg, layers, stream, seq_len, resuming)
     wrappers = [DsmoeTrainingMLP(layer, cfg.variant) for layer in layers]
     gate_params = [layer.router.proj.weight for layer in layers]
     gate_ids = {id(p) for p in gate_params}
@@ -220,8 +259,6 @@ def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) ->
 
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
                      checkpoint_every=cfg.checkpoint_every, recompute=cfg.recompute)
-    checkpointing = None if ctx.work_dir is None else Checkpointing(
-        ctx.work_dir / "dsmoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
     for i, wrapper in enumerate(wrappers):
         adapter.replace_mlp_(i, wrapper)
     try:
