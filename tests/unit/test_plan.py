@@ -35,6 +35,8 @@ def test_every_method_plans_its_phases_from_its_options():
     dsmoe, tomoe = plan("llama-2-7b", "dsmoe"), plan("llama-2-7b", "tomoe")
     train = dsmoe.phases["train"]  # bfloat16 weights, float32 masters, gradients and AdamW moments
     assert dsmoe.peak_phase == "train" and train["optimizer"] == 4 * train["weights"] == 2 * train["trained copy"]
+    assert dsmoe.work["calibration tokens x layers"] == 4 * 4096 * 32  # the margin start's fit: 4 d tokens per layer
+    assert "convert" not in plan("llama-2-7b", "dsmoe", {"gate_init": "random"}).phases
     held = tomoe.phases["train"]["frozen weights in float32"]  # ToMoE's frozen weights float32 while it trains
     assert tomoe.phases["train"]["gradients"] < 0.05 * held and held == pytest.approx(6.74e9 * 4, rel=0.01)
     autocast = plan("llama-2-7b", "tomoe", {"frozen_weights": "working"})
@@ -59,7 +61,7 @@ def test_sharded_training_splits_the_decoder_layers_training_state_among_the_pro
     for part in ("gradients", "optimizer"):
         assert whole[part] - sharded.phases["train"][part] == pytest.approx(whole[part] * decoder / 6.74e9 * 7 / 8,
                                                                             rel=0.01)
-    assert list(sharded.phases) == ["evaluate dense", "shard", "train", "evaluate MoE"]
+    assert list(sharded.phases) == ["evaluate dense", "convert", "shard", "train", "evaluate MoE"]  # convert: gate fit
     shard = sharded.phases["shard"]  # bfloat16 model, float32 a layer at a time: far below a float32 copy
     assert sum(shard.values()) < whole["weights"] + whole["trained copy"] / 3
     assert sharded.peak < plan("llama-2-7b", "dsmoe", device="cuda").peak / 4

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from moeify.methods.base import Method
 from moeify.methods.dsmoe.config import DsmoeConfig
-from moeify.methods.dsmoe.convert import analyze, convert
+from moeify.methods.dsmoe.convert import analyze, convert, memory
 
 DSMOE = Method(
     name="dsmoe",
@@ -50,6 +50,7 @@ DSMOE = Method(
     config_cls=DsmoeConfig,
     convert=convert,
     analyze=analyze,
+    memory=memory,
     unmatched="its sparsity is learned (threshold tau), not set by a budget",
     paper_ratio="model",
     partitions_mlp=True,

@@ -56,6 +56,19 @@ class DsmoeConfig:
         return self.seq_len or min(256, model_config.max_position_embeddings)
 
 
+#: Tokens the margin fit sees per hidden dimension. With fewer the least-squares fit follows its own
+#: tokens and not the direction MLP inputs share, and on other text some tokens start with a layer's experts
+#: off (``benchmarks/bench_dsmoe_start.py`` on SmolLM2-135M, README). A 7B model's default batch of
+#: 2,048 tokens is d / 2.
+FIT_TOKENS_PER_DIM = 4
+
+
+def fit_windows(cfg: DsmoeConfig, hidden_size: int, seq_len: int) -> int:
+    """How many training windows the margin fit draws: ``FIT_TOKENS_PER_DIM`` x d tokens or more, at least
+    one batch."""
+    return max(cfg.batch_size, math.ceil(FIT_TOKENS_PER_DIM * hidden_size / seq_len))
+
+
 def start_logit(cfg: DsmoeConfig) -> float:
     """The logit x Y at which the gates start: ``gate_margin`` where training fits them to it, else 0 (Y = 0
     as converted; a random start is centred on 0 too)."""

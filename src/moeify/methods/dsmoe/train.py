@@ -30,7 +30,7 @@ Choices the paper leaves open:
   gates below it at once; with Eq. 8's n / |A| on the rest, the LM loss jumps from 3.5 to 16 in one
   step. The default (``margin``) starts every gate on, away from the edge: each layer's Y_i is fit by
   least squares to x Y_i = ``gate_margin`` (1, g0 = 0.73) for every token x of windows of the training
-  text, at least ``FIT_TOKENS_PER_DIM`` x d tokens (the first batch's count where that is more), a
+  text, at least 4 d tokens (``config.FIT_TOKENS_PER_DIM``; the first batch where that is more), a
   decoder layer at a time in float32, the layers before it already fitted. MLP inputs of pretrained
   LLMs share a common direction, so the fit is close (SmolLM2-135M: the lowest start logit over the
   fitted tokens is recorded as ``gate_start_lowest_logit``). The sparsity loss then lowers the gates
@@ -59,7 +59,7 @@ from moeify.calibration.data import token_stream
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext
-from moeify.methods.dsmoe.config import DsmoeConfig
+from moeify.methods.dsmoe.config import DsmoeConfig, fit_windows
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import passing_gates, rescaled_gate_weights
 from moeify.training.checkpoint import latest_step
@@ -138,13 +138,6 @@ def random_gates_(layers: list[MoeMLP], std: float, seed: int) -> None:
             weight.copy_(torch.randn(weight.shape, generator=generator) * std)
 
 
-#: Tokens the margin fit sees per hidden dimension. With fewer the least-squares fit follows its own
-#: tokens and not the direction MLP inputs share: SmolLM2-135M (d = 576), start logits of 2,048 held-out
-#: tokens, fitted on 2,048 tokens (3.6 d): none at or below 0; 1,280 (2.2 d): 5.3 % in some layer; 256:
-#: 32 %. With 4 d the fit generalises whatever the batch (a 7B model's default batch of 2,048 tokens is d / 2).
-FIT_TOKENS_PER_DIM = 4
-
-
 class MarginFit:
     """One layer's least-squares fit of x Y = margin over every token its MLP sees: X^T X and X^T 1 summed
     in float64 over the chunks of a pass (memory d^2, whatever the number of tokens), then solved; a
@@ -209,7 +202,7 @@ def start_gates_(ctx: ConversionContext, cfg: DsmoeConfig, layers: list[MoeMLP],
         random_gates_(layers, cfg.gate_init_std, ctx.seed)
     if cfg.gate_init != "margin":
         return {}
-    count = max(cfg.batch_size, math.ceil(FIT_TOKENS_PER_DIM * layers[0].router.proj.in_features / seq_len))
+    count = fit_windows(cfg, layers[0].router.proj.in_features, seq_len)
     windows = random_windows(stream, seq_len, count, torch.Generator().manual_seed(train_seed(ctx)))
     lowest = margin_gates_(ctx, layers, windows, cfg.gate_margin, cfg.batch_size)
     return {"gate_start_lowest_logit": lowest, "gate_start_fit_tokens": windows.numel()}

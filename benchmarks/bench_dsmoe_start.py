@@ -1,0 +1,85 @@
+"""How many tokens DSMoE's margin start must be fitted on for its gates to start on for text it never saw.
+
+``gate_init=margin`` fits each layer's Y by least squares to x Y = 1 over the tokens it is given (a decoder
+layer at a time, the layers before already fitted). With few tokens the fit follows those tokens and not the
+direction MLP inputs share, and on other text some tokens start with a layer's experts off (x Y <= 0). This
+partitions SmolLM2-135M (the GGUF in ../shared/assets, d = 576) as DSMoE does, fits the gates on N tokens of
+WikiText-2 valid (the training text) for each N, and reports the start logits x Y of held-out text (the
+first 8 x 256 tokens of WikiText-2 raw test): the lowest over every layer and token, and the largest share
+of tokens at or below 0 in any layer. The conversion's own fit takes max(batch, ``FIT_TOKENS_PER_DIM`` x d)
+tokens. One JSON line per N, appended to ``--out``.
+
+    python benchmarks/bench_dsmoe_start.py [--tokens 256,1024,2048,2304] [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
+
+from moeify.calibration.data import read_text, token_stream
+from moeify.loading import load_model
+from moeify.methods.base import ConversionContext
+from moeify.methods.dsmoe import DsmoeConfig
+from moeify.methods.dsmoe.config import FIT_TOKENS_PER_DIM
+from moeify.methods.dsmoe.convert import partition_model_
+from moeify.methods.dsmoe.train import margin_gates_
+from moeify.options import build_config
+from moeify.training.loop import random_windows
+
+SEQ_LEN = 256
+
+
+def held_out_logits(ctx: ConversionContext, held_out: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's start logits x Y on the tokens of ``held_out`` (every expert of a layer has the same Y)."""
+    layers = [ctx.adapter.mlp_module(i) for i in range(ctx.adapter.num_layers)]
+    logits: list[torch.Tensor] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: logits.append(m.router.proj(args[0])[..., 0].flatten()))
+             for layer in layers]
+    with torch.no_grad():
+        ctx.model(held_out)
+    for hook in hooks:
+        hook.remove()
+    return logits
+
+
+def fit_row(model: torch.nn.Module, tokenizer, tokens: int, held_out: torch.Tensor) -> dict:
+    calib = read_text(CALIB)
+    ctx = ConversionContext(copy.deepcopy(model), tokenizer, calib, 0, torch.device("cpu"), progress=False)
+    partition_model_(ctx, build_config(DsmoeConfig, {}))
+    layers = [ctx.adapter.mlp_module(i) for i in range(ctx.adapter.num_layers)]
+    stream = token_stream(calib, tokenizer)
+    windows = random_windows(stream, SEQ_LEN, tokens // SEQ_LEN, torch.Generator().manual_seed(1))
+    fitted_lowest = margin_gates_(ctx, layers, windows, 1.0, batch_size=8)
+    logits = held_out_logits(ctx, held_out)
+    d = model.config.hidden_size
+    return {"fit_tokens": windows.numel(), "fit_tokens_per_d": round(windows.numel() / d, 2),
+            "fitted_lowest_logit": round(fitted_lowest, 4), "held_out_tokens": held_out.numel(),
+            "held_out_lowest_logit": round(min(float(x.min()) for x in logits), 4),
+            "held_out_max_share_off": round(max(float((x <= 0).double().mean()) for x in logits), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="256,1024,2048,2304", help="fit token counts (multiples of 256)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_dsmoe_start.jsonl")
+    args = parser.parse_args()
+    model, tokenizer = load_model(MODEL, dtype="float32")
+    test = tokenizer(EVAL.read_text()[:40_000], return_tensors="pt").input_ids[0]
+    held_out = test[:8 * SEQ_LEN].reshape(8, SEQ_LEN)
+    print(f"the conversion fits on max(batch, {FIT_TOKENS_PER_DIM} d) = "
+          f"{FIT_TOKENS_PER_DIM * model.config.hidden_size} tokens or more")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        row = fit_row(model, tokenizer, tokens, held_out)
+        print(json.dumps(row))
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
