@@ -183,7 +183,8 @@ def margin_gates_(ctx: ConversionContext, layers: list[MoeMLP], windows: Tensor,
             checks.enter_context(capture_inputs(moe, fit.check))  # the pass's own run of the fitted layer
             fits.append(fit)
     for layer, fit in zip(layers, fits):  # the pass casts what it computed in back to the working dtype
-        layer.router.proj.weight.data = fit.y.float().expand_as(layer.router.proj.weight).clone()
+        weight = layer.router.proj.weight
+        weight.data = fit.y.to(weight.device, torch.float32).expand_as(weight).clone()
     return min(fit.lowest for fit in fits)
 
 
