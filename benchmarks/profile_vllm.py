@@ -39,7 +39,7 @@ NEW_TOKENS = 64
 PARTS = {"_C::cpu_fused_moe": "moe_kernel", "_C::onednn_mm": "dense_gemm",
          "_C::cpu_attention_with_kv_cache": "attention"}
 KERNEL_TOKENS = (2048, 32)  # a prefill chunk, a decode step of the batch
-DSMOE_TOP_K = 5  # the top-k of serve_vllm.py's DSMoE export of SmolLM2 (its mean expert count, of 8)
+DSMOE_TOP_K = 5  # the top-k of the DSMoE export of SmolLM2 profiled in the README (of 8 experts)
 
 
 def profile(folder: Path, ids: list[list[int]]) -> dict[str, Any]:

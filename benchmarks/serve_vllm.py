@@ -55,7 +55,7 @@ EXPORTS: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     # S2A2E16: top-2 with unit weights, routers distilled to renormalised weights
     "cmoe": ("cmoe", {}, "qwen2_moe", True),
     # the other default conversions, approximated: per-token attention dimensions made static (ToMoE),
-    # the threshold router at its mean expert count (DSMoE), the input thresholds dropped (TEAL)
+    # the threshold router at its most common expert count (DSMoE), the input thresholds dropped (TEAL)
     "tomoe-attention": ("tomoe", {"steps": 10, "checkpoint_every": 0}, "qwen2_moe", True),
     "dsmoe": ("dsmoe", {"steps": 10, "checkpoint_every": 0}, "glm4_moe", True),
     "teal": ("teal", {}, "llama", True),

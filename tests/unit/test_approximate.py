@@ -11,7 +11,7 @@ import torch
 import moeify
 from moeify.api import ConversionResult
 from moeify.cli.main import main
-from moeify.export.approximate import approximate
+from moeify.export.approximate import approximate, most_common_count
 from moeify.export.hf_export import EXACT_TOLERANCE, EXPORTERS
 from moeify.methods.dsmoe import DsmoeConfig
 from moeify.methods.dsmoe.convert import convert as dsmoe_convert
@@ -69,11 +69,22 @@ def test_no_format_takes_them_exactly_and_each_says_approximate_would(dsmoe, tom
         assert not support and support.approximable and words in str(support) and "--approximate" in str(support)
 
 
-def test_dsmoe_threshold_router_becomes_its_own_gates_at_the_mean_count(dsmoe, tokenizer, calib_text, eval_text):
+def test_the_fixed_k_is_the_most_common_expert_count_not_the_mean():
+    """One layer with its gates mostly off drags the mean below what the others run; the most common
+    count reproduces the most tokens' expert sets."""
+    counts = torch.tensor([8] * 6 + [7] * 2 + [0] * 4)  # mean 5.2
+    assert most_common_count(counts, 8) == 8
+    assert most_common_count(torch.tensor([0, 0, 0, 2, 3]), 8) == 2  # at least one expert; ties: the smaller
+    assert most_common_count(torch.tensor([0, 0]), 8) == 1
+
+
+def test_dsmoe_threshold_router_becomes_its_own_gates_at_the_most_common_count(dsmoe, tokenizer, calib_text,
+                                                                               eval_text):
     approximation, parts = approximate(dsmoe, tokenizer, calib_text, eval_text, steps=1, seq_len=SEQ_LEN)
     record = parts["threshold_routers"]
-    means = [layer["calib_mean_experts"] for layer in record["layers"]]
-    assert record["top_k"] == round(sum(means) / len(means))  # equal token counts per layer: the mean of means
+    shares = record["calib_count_shares"]  # index: experts per token, over every layer's calibration tokens
+    assert len(shares) == 9 and sum(shares) == pytest.approx(1.0)
+    assert record["top_k"] == 1 + max(range(8), key=lambda i: shares[1 + i])
     for path, routing in approximation.routings.items():
         router = dsmoe.get_submodule(path).router
         assert routing.weighting == "sigmoid" and routing.approximate and routing.top_k == record["top_k"]
