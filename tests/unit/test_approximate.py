@@ -72,10 +72,12 @@ def test_no_format_takes_them_exactly_and_each_says_approximate_would(dsmoe, tom
 def test_the_fixed_k_is_the_most_common_expert_count_not_the_mean():
     """One layer with its gates mostly off drags the mean below what the others run; the most common
     count reproduces the most tokens' expert sets."""
-    counts = torch.tensor([8] * 6 + [7] * 2 + [0] * 4)  # mean 5.2
-    assert most_common_count(counts, 8) == 8
-    assert most_common_count(torch.tensor([0, 0, 0, 2, 3]), 8) == 2  # at least one expert; ties: the smaller
-    assert most_common_count(torch.tensor([0, 0]), 8) == 1
+    def k(counts: list[int]) -> int:
+        return most_common_count(torch.bincount(torch.tensor(counts), minlength=9))
+
+    assert k([8] * 6 + [7] * 2 + [0] * 4) == 8  # mean 5.2
+    assert k([0, 0, 0, 2, 3]) == 2  # at least one expert; ties: the smaller
+    assert k([0, 0]) == 1
 
 
 def test_dsmoe_threshold_router_becomes_its_own_gates_at_the_most_common_count(dsmoe, tokenizer, calib_text,

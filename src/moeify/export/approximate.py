@@ -87,7 +87,8 @@ def threshold_routings(routers: dict[str, nn.Module], model: PreTrainedModel, ca
     _run(model, held_out, counting(test))
     fit_counts = {p: torch.cat(c) for p, c in fit.items()}
     n = next(iter(routers.values())).num_experts
-    k = most_common_count(torch.cat(list(fit_counts.values())), n)
+    histogram = torch.bincount(torch.cat(list(fit_counts.values())).long(), minlength=n + 1)  # over every layer
+    k = most_common_count(histogram)
     routings, layers = {}, []
     for path, router in routers.items():
         held = torch.cat(test[path])
@@ -97,15 +98,14 @@ def threshold_routings(routers: dict[str, nn.Module], model: PreTrainedModel, ca
         layers.append({"path": path, "calib_mean_experts": float(fit_counts[path].float().mean()),
                        "held_out_mean_experts": float(held.float().mean()),
                        "held_out_agreement": float((held == k).float().mean())})
-    counts = torch.bincount(torch.cat(list(fit_counts.values())).long(), minlength=n + 1)
     return routings, {"top_k": k, "held_out_agreement": sum(x["held_out_agreement"] for x in layers) / len(layers),
-                      "calib_count_shares": (counts / counts.sum()).tolist(), "layers": layers}
+                      "calib_count_shares": (histogram / histogram.sum()).tolist(), "layers": layers}
 
 
-def most_common_count(counts: Tensor, num_experts: int) -> int:
-    """The most common number of experts (1 to ``num_experts``) in ``counts`` (experts per token): the fixed
-    k that reproduces the most tokens' expert sets; the smallest such k on a tie."""
-    return 1 + int(torch.bincount(counts.long(), minlength=num_experts + 1)[1:num_experts + 1].argmax())
+def most_common_count(histogram: Tensor) -> int:
+    """The most common number of experts per token, at least 1, in ``histogram`` (tokens by experts per token,
+    from 0 to n): the fixed k that reproduces the most tokens' expert sets; the smallest such k on a tie."""
+    return 1 + int(histogram[1:].argmax())
 
 
 def static_attention_dims(attentions: dict[str, PrunedAttention], model: PreTrainedModel, calib: list[Tensor],
