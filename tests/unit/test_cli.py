@@ -139,7 +139,9 @@ def test_an_interrupted_training_names_its_last_checkpoint_and_the_resume_comman
     command = [sys.executable, "-m", "moeify.cli.main", "convert", "--method", "dsmoe", "--out", str(out),
                "--no-speed", "--set", "steps=500", "--set", "checkpoint_every=1", "--set", "seq_len=32",
                "--set", "batch_size=2", "--set", "analyses=false"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal sends it, whatever this process inherited (a background shell job ignores it)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     work = tmp_path / "run.work"
     deadline = time.monotonic() + 120
     while not list(work.glob("*/step-*")) and time.monotonic() < deadline and process.poll() is None:
