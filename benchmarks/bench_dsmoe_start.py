@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
 
-from moeify.calibration.data import read_text, token_stream
+from moeify.calibration.data import TextSource, read_text, token_stream
 from moeify.loading import load_model
 from moeify.methods.base import ConversionContext
 from moeify.methods.dsmoe import DsmoeConfig
@@ -48,12 +48,11 @@ def held_out_logits(ctx: ConversionContext, held_out: torch.Tensor) -> list[torc
     return logits
 
 
-def fit_row(model: torch.nn.Module, tokenizer, tokens: int, held_out: torch.Tensor) -> dict:
-    calib = read_text(CALIB)
+def fit_row(model: torch.nn.Module, tokenizer, calib: TextSource, stream: torch.Tensor, tokens: int,
+            held_out: torch.Tensor) -> dict:
     ctx = ConversionContext(copy.deepcopy(model), tokenizer, calib, 0, torch.device("cpu"), progress=False)
     partition_model_(ctx, build_config(DsmoeConfig, {}))
     layers = [ctx.adapter.mlp_module(i) for i in range(ctx.adapter.num_layers)]
-    stream = token_stream(calib, tokenizer)
     windows = random_windows(stream, SEQ_LEN, tokens // SEQ_LEN, torch.Generator().manual_seed(1))
     fitted_lowest = margin_gates_(ctx, layers, windows, 1.0, batch_size=8)
     logits = held_out_logits(ctx, held_out)
@@ -74,8 +73,10 @@ def main() -> None:
     held_out = test[:8 * SEQ_LEN].reshape(8, SEQ_LEN)
     print(f"the conversion fits on max(batch, {FIT_TOKENS_PER_DIM} d) = "
           f"{FIT_TOKENS_PER_DIM * model.config.hidden_size} tokens or more")
+    calib = read_text(CALIB)
+    stream = token_stream(calib, tokenizer)  # tokenised once for every N
     for tokens in (int(t) for t in args.tokens.split(",")):
-        row = fit_row(model, tokenizer, tokens, held_out)
+        row = fit_row(model, tokenizer, calib, stream, tokens, held_out)
         print(json.dumps(row))
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")
