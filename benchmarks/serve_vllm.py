@@ -6,17 +6,17 @@ CPU build with moeify installed beside it):
     .venv-vllm/bin/python benchmarks/serve_vllm.py [--rows more,tomoe,dense2moe,static_prune,cmoe,...] [--speed]
         [--work /tmp/moeify-serve] [--out benchmarks/results/serve_vllm.jsonl]
 
-For each method: convert SmolLM2 (the GGUF in ../shared/assets, float32; calibration and training on
-WikiText-2 valid at small budgets: what is checked here is the export, not the conversion's quality),
-export it to the format that represents it (``EXPORTS``: exactly, or ``--approximate``: routers distilled
-to linear ones, per-token parts made static), then decode greedily ``--new-tokens`` tokens for 8 prompts
-(the first 32 tokens of 8 WikiText-2 test paragraphs) in vLLM (float32, eager) and with moeify's native
-model, and compare the tokens (``moeify.evaluation.serving``). An exact export must give identical
-tokens; an approximate one is a different model, so beside its token agreement stand its parts'
-agreement and perplexity change on held-out text (from its export record), and the served tokens are
-also compared with the export's own in transformers. The dense model, served and run by transformers, is the first
-row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints
-the table from it.
+For each method: convert SmolLM2 (the GGUF in ../shared/assets, float32; calibration and training on WikiText-2
+valid at small budgets: what is checked here is the export, not the conversion's quality), export it to the
+format that represents it (``EXPORTS``: exactly, or ``--approximate``: routers distilled to linear ones,
+per-token parts made static; or ``--dense-layers auto``: a wide layer written dense), then decode greedily
+``--new-tokens`` tokens for 8 prompts (the first 32 tokens of 8 WikiText-2 test paragraphs) in vLLM (float32,
+eager) and with moeify's native model, and compare the tokens (``moeify.evaluation.serving``). An exact export
+must give identical tokens; an approximate one is a different model, so beside its token agreement stand its
+parts' agreement and perplexity change on held-out text (from its export record), and the served tokens are also
+compared with the export's own in transformers. The dense model, served and run by transformers, is the first
+row: the engine's own agreement. One JSON line per row is appended to ``--out``; ``--markdown`` prints the table
+from it.
 
 ``--speed`` measures instead, in one run, what vLLM serves per second in bfloat16: a batch of
 ``SPEED_PROMPTS`` prompts of ``SPEED_PROMPT_TOKENS`` tokens (WikiText-2 test) plus ``--new-tokens``
@@ -41,24 +41,28 @@ SPEED_OUT = Path(__file__).resolve().parent / "results" / "serve_vllm_speed.json
 PROMPTS, PROMPT_TOKENS = 8, 32
 SPEED_PROMPTS, SPEED_PROMPT_TOKENS = 32, 350
 EVAL_CHARS = 20000  # held-out text for the conversions' and approximations' perplexities
-# row -> (method, conversion options, export format, whether the export is --approximate)
-EXPORTS: dict[str, tuple[str, dict[str, Any], str, bool]] = {
-    "more": ("more", {}, "qwen2_moe", False),
-    "more-granitemoeshared": ("more", {}, "granitemoeshared", False),  # the llama.cpp-safe format
-    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", False),
+EXACT: tuple[str, ...] = ()
+APPROXIMATE = ("--approximate",)
+TOMOE_250 = {"attention": "off", "steps": 250, "recompute": False, "checkpoint_every": 25}
+# row -> (method, conversion options, export format, `moeify export` options beyond the format)
+EXPORTS: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
+    "more": ("more", {}, "qwen2_moe", EXACT),
+    "more-granitemoeshared": ("more", {}, "granitemoeshared", EXACT),  # the llama.cpp-safe format
+    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, "qwen2_moe", EXACT),
     # trained long enough for its experts to share most neurons: the shared part the export serves densely
-    "tomoe-250": ("tomoe", {"attention": "off", "steps": 250, "recompute": False, "checkpoint_every": 25},
-                  "qwen2_moe", False),
-    "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", False),
-    "static_prune": ("static_prune", {}, "llama", False),  # pruned head dimensions zero-padded back
-    "static_prune-mlp": ("static_prune", {"attention": "off"}, "llama", False),
+    "tomoe-250": ("tomoe", TOMOE_250, "qwen2_moe", EXACT),
+    # its layer 0 keeps most neurons, which qwen2_moe's single widths would impose on every layer: dense
+    "tomoe-250-dense": ("tomoe", TOMOE_250, "qwen2_moe", ("--dense-layers", "auto")),
+    "dense2moe": ("dense2moe", {"steps": 10, "warmup": 2, "seq_len": 256, "checkpoint_every": 0}, "qwen2_moe", EXACT),
+    "static_prune": ("static_prune", {}, "llama", EXACT),  # pruned head dimensions zero-padded back
+    "static_prune-mlp": ("static_prune", {"attention": "off"}, "llama", EXACT),
     # S2A2E16: top-2 with unit weights, routers distilled to renormalised weights
-    "cmoe": ("cmoe", {}, "qwen2_moe", True),
+    "cmoe": ("cmoe", {}, "qwen2_moe", APPROXIMATE),
     # the other default conversions, approximated: per-token attention dimensions made static (ToMoE),
     # the threshold router at its most common expert count (DSMoE), the input thresholds dropped (TEAL)
-    "tomoe-attention": ("tomoe", {"steps": 10, "checkpoint_every": 0}, "qwen2_moe", True),
-    "dsmoe": ("dsmoe", {"steps": 10, "checkpoint_every": 0}, "glm4_moe", True),
-    "teal": ("teal", {}, "llama", True),
+    "tomoe-attention": ("tomoe", {"steps": 10, "checkpoint_every": 0}, "qwen2_moe", APPROXIMATE),
+    "dsmoe": ("dsmoe", {"steps": 10, "checkpoint_every": 0}, "glm4_moe", APPROXIMATE),
+    "teal": ("teal", {}, "llama", APPROXIMATE),
 }
 
 
@@ -112,15 +116,16 @@ def dense_folder(work: Path) -> Path:
 
 def exported(row: str, work: Path, eval_text: Path) -> tuple[Path, Path]:
     """(native folder, export folder) of ``row``, converted and exported once."""
-    method, options, fmt, approximate = EXPORTS[row]
+    method, options, fmt, export_options = EXPORTS[row]
     name = "-".join([method, *(f"{key}={value}" for key, value in options.items())])
-    native, export = work / name, work / f"{name}-{fmt}"
+    beyond = [option.lstrip("-") for option in export_options if option not in APPROXIMATE]
+    native, export = work / name, work / "-".join([name, fmt, *beyond])
     if not (native / "config.json").is_file():
         sets = [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
         moeify_cli("convert", str(work / "dense"), "--method", method, "--out", str(native), "--calib", str(CALIB),
                    "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
     if not (export / "config.json").is_file():
-        extra = ["--approximate", "--calib", str(CALIB), "--eval", str(eval_text)] if approximate else []
+        extra = [*export_options, "--calib", str(CALIB), "--eval", str(eval_text)] if export_options else []
         moeify_cli("export", str(native), "--format", fmt, "--out", str(export), "--overwrite", *extra)
     return native, export
 

@@ -154,7 +154,7 @@ def test_cli_approximate_writes_the_parts_and_the_perplexity_change(teal, tokeni
     assert "--approximate exports its closest form" in capsys.readouterr().err
     assert main(["export", str(native), "--format", "llama", "--out", str(tmp_path / "d"), "--approximate"]) == 0
     captured = capsys.readouterr()
-    assert "APPROXIMATE (--approximate)" in captured.out and "approximated: input thresholds" in captured.out
+    assert "APPROXIMATE" in captured.out and "approximated: input thresholds" in captured.out
     assert "warning: the exported model approximates the converted one" in captured.err
     record = json.loads((tmp_path / "d" / "moeify_export.json").read_text())["approximation"]
     assert "NOT the converted model" in record["note"] and list(record["parts"]) == ["input_thresholds"]

@@ -12,6 +12,7 @@ from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import RECORD_NAME, library_versions
 from moeify.export.approximate import approximate as approximate_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, Support, save_hf
+from moeify.export.hf_parts import EXACT, Approximation
 from moeify.files import check_output_dir
 from moeify.loading import load_model
 
@@ -32,25 +33,41 @@ def check_formats(source: str | Path, device: str = "cpu", dtype: str | None = N
     return [exporter.supports(model, explain=True) for exporter in EXPORTERS.values()]
 
 
+def parse_dense_layers(text: str) -> list[int] | str:
+    """``--dense-layers``: ``auto`` or comma-separated layer indices."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return sorted({int(item) for item in text.split(",")})
+    except ValueError:
+        raise ValueError(f"--dense-layers={text!r} must be 'auto' or comma-separated layer indices "
+                         "(e.g. 0,1)") from None
+
+
 def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate: bool = False,
                   distill_steps: int | None = None, calib: str | Path | None = None, eval: str | Path | None = None,
-                  seed: int = 0, overwrite: bool = False, device: str = "cpu", dtype: str | None = None
-                  ) -> dict[str, Any]:
+                  seed: int = 0, overwrite: bool = False, device: str = "cpu", dtype: str | None = None,
+                  dense_layers: list[int] | str | None = None) -> dict[str, Any]:
     """Export the converted model in ``source`` to ``fmt`` in ``out`` (atomically).
 
     ``approximate``: replace what no format computes by its closest form (``export.approximate``; fitted
     routers take ``distill_steps`` optimiser steps, default ``DISTILL_STEPS``), chosen on ``calib``
     (default: the embedded calibration slice); the record then reports each part's agreement and the
-    perplexity of source and export on ``eval`` (default: the embedded evaluation slice). The export is
+    perplexity of source and export on ``eval`` (default: the embedded evaluation slice). ``dense_layers``
+    (layer indices or ``"auto"``) exports those routed layers dense, an approximation too. The export is
     written in ``dtype`` (default: the dtype the source was saved in)."""
     exporter = exporter_named(fmt)
+    approximate = approximate or dense_layers is not None
     if not approximate and (calib or eval or distill_steps is not None):
-        raise ValueError("--calib, --eval and --distill-steps are the approximation's; they need --approximate")
+        raise ValueError("--calib, --eval and --distill-steps are the approximation's; they need --approximate "
+                         "(or --dense-layers)")
     out = Path(out)
     check_output_dir(out, overwrite)
     calib_source, eval_source = read_text(calib or EMBEDDED_CALIB), read_text(eval or EMBEDDED_EVAL)
     model, tokenizer = load_model(source, device, dtype)
-    if approximate and not (support := exporter.supports(model, explain=True)) and not support.approximable:
+    named = Approximation(dense_layers=frozenset(dense_layers)) if isinstance(dense_layers, list) else EXACT
+    if approximate and not (support := exporter.supports(model, explain=True, approximation=named)) \
+            and not support.approximable:
         raise NotExportable(str(support))  # before the approximation's work; ``build`` checks the exact case
     record: dict[str, Any] = {"command": "export", "source": str(source), "versions": library_versions()}
     converted = Path(source) / RECORD_NAME
@@ -62,7 +79,8 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
         seq_len = min(CALIB_SEQ_LEN, model.config.max_position_embeddings)
         steps = DISTILL_STEPS if distill_steps is None else distill_steps
         approximation, parts = approximate_parts(model, tokenizer, calib_source, eval_source, steps=steps,
-                                                 seq_len=seq_len, seed=seed)
+                                                 seq_len=seq_len, seed=seed, dense_layers=dense_layers or (),
+                                                 fmt=fmt)
         export = exporter.build(model, approximation=approximation)
         context = model.config.max_position_embeddings
         before = perplexity(model, tokenizer, eval_source, context).ppl

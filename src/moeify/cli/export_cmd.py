@@ -17,16 +17,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "loads without trust_remote_code (and in serving engines), when the format represents the "
                     "conversion exactly; otherwise say why. --check lists what every format says. What no format "
                     "computes exactly takes --approximate, which writes its closest form, chosen on calibration "
-                    "text: linear routers fitted to non-linear ones (CMoE), threshold routers at their mean "
-                    "expert count (DSMoE), static attention dimensions for per-token ones (ToMoE), dense "
-                    "projections for thresholded ones (TEAL); each part's agreement and the perplexity change "
-                    "are reported. The native folder written by `moeify convert` stays the lossless format.")
+                    "text: linear routers fitted to non-linear ones (CMoE), threshold routers at their most "
+                    "common expert count (DSMoE), static attention dimensions for per-token ones (ToMoE), dense "
+                    "projections for thresholded ones (TEAL); --dense-layers writes chosen routed layers as "
+                    "dense MLPs, so that one wide layer does not set every layer's width. Each approximated "
+                    "part's agreement and the perplexity change are reported. The native folder written by "
+                    "`moeify convert` stays the lossless format.")
     parser.add_argument("model", type=Path, help="converted model folder (moeify convert --out)")
     parser.add_argument("--format", default=None, help="target architecture (see --check)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (created atomically)")
     parser.add_argument("--check", action="store_true", help="only say which formats represent the model, and why not")
     parser.add_argument("--approximate", action="store_true",
                         help="write the closest form of what the format cannot represent (measured, reported)")
+    parser.add_argument("--dense-layers", default=None, metavar="auto|I,J,...",
+                        help="write these routed layers as dense MLPs of every neuron they hold (every expert on; "
+                             "unit-weight routers), or 'auto': the layers that make the format's layout run the "
+                             "fewest neurons per token. The formats size experts once for all layers, so a layer "
+                             "that keeps most neurons pads every other to its width. An approximation: measured "
+                             "and reported as --approximate's parts are")
     parser.add_argument("--distill-steps", type=int, default=None, metavar="STEPS",
                         help="optimiser steps of the routers --approximate fits (default 300)")
     parser.add_argument("--calib", default=None, help="text the approximation is chosen on (default: embedded "
@@ -72,14 +80,15 @@ def run(args: argparse.Namespace) -> int:
         return _print_check(args.model)
     if args.format is None or args.out is None:
         raise ValueError("--format and --out are required (or --check to see which formats fit)")
-    from moeify.api import export_folder
+    from moeify.api.export import export_folder, parse_dense_layers
 
-    record = export_folder(args.model, args.format, args.out, approximate=args.approximate,
+    dense_layers = None if args.dense_layers is None else parse_dense_layers(args.dense_layers)
+    record = export_folder(args.model, args.format, args.out, approximate=args.approximate, dense_layers=dense_layers,
                            distill_steps=args.distill_steps, calib=args.calib, eval=args.eval, seed=args.seed,
                            overwrite=args.overwrite, device=args.device, dtype=args.dtype)
     routed = sum(layer["routed"] for layer in record["layers"])
     rows = [("format", record["format"]),
-            ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (--approximate)"),
+            ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (see the parts below)"),
             ("max |MLP difference|, float64", f"{record['max_abs_mlp_diff_float64']:.3g} (the mapping itself)"),
             *([("max |attention difference|, float64",
                 f"{record['max_abs_attention_diff_float64']:.3g} (pruned head dims zero-padded in "

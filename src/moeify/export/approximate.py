@@ -18,6 +18,13 @@ model that no format computes exactly, chosen on calibration text and measured o
 * TEAL's input thresholds: dropped (the dense weights); no serving engine computes activation sparsity.
   Agreement: the share of projection inputs the thresholds keep on held-out text (the rest, zeroed by TEAL,
   are the difference).
+* Dense layers (``--dense-layers``; exact layers too, to serve faster): routed layers as dense MLPs of every
+  neuron they hold (``hf_parts.dense_form``), named or chosen as the layers whose dense form makes the
+  format's layout cheapest (``auto``). A ToMoE of SmolLM2 trained 250 steps keeps 1,465 of 1,536 neurons
+  per token in layer 0 and 331-665 in the others; qwen2_moe pads every layer to layer 0's shared part
+  (1,472 + 104 neurons per token, more than dense); with layer 0 dense (its 1,475 neurons), 584 + 104
+  (``benchmarks/serve_vllm.py``, row ``tomoe-250-dense``).
+  Agreement: the mean cosine similarity of the layer's output and its dense form's on held-out tokens.
 
 Every part is chosen on the calibration windows from the source model (each layer sees the source's own
 earlier layers); the caller measures the perplexity of source and export on held-out text.
@@ -26,16 +33,19 @@ earlier layers); the caller measures the perplexity of source and export on held
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from moeify.arch import DecoderAdapter
 from moeify.calibration.data import TextSource, token_stream
 from moeify.calibration.hooks import observing
 from moeify.export.hf_distill import distill_routers
-from moeify.export.hf_parts import Approximation, NotRepresentable, Routing, linear_routing
+from moeify.export.hf_export import EXPORTERS
+from moeify.export.hf_parts import Approximation, NotRepresentable, Routing, dense_form, linear_routing
 from moeify.moe.accounting import tracking_routing
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
@@ -131,20 +141,53 @@ def kept_inputs(projections: list[ThresholdedLinear], model: PreTrainedModel, he
     return sum(m.stats_kept for m in projections) / max(1, sum(m.stats_inputs for m in projections))
 
 
+def dense_modules(model: PreTrainedModel, layers: list[int]) -> dict[int, MoeMLP]:
+    """The MoE layers ``layers`` names, checked to have a dense form (``ValueError`` naming a bad one)."""
+    adapter = DecoderAdapter(model)
+    out = {}
+    for i in layers:
+        if not 0 <= i < adapter.num_layers:
+            raise ValueError(f"--dense-layers: layer {i} is not in [0, {adapter.num_layers - 1}]")
+        module = adapter.mlp_module(i)
+        if not isinstance(module, MoeMLP) or module.router is None:
+            raise ValueError(f"--dense-layers: layer {i} routes nothing (it is dense already)")
+        try:
+            dense_form(module)
+        except NotRepresentable as error:
+            raise ValueError(f"--dense-layers: layer {i}: {error.reason}") from None
+        out[i] = module
+    return out
+
+
+def dense_agreement(modules: dict[int, MoeMLP], model: PreTrainedModel, held_out: list[Tensor]) -> dict[str, Any]:
+    """Each dense-form layer's mean cosine similarity to the routed layer's output on ``held_out`` tokens."""
+    forms = {i: dense_form(m) for i, m in modules.items()}
+    cosines: dict[int, list[Tensor]] = {i: [] for i in modules}
+    _run(model, held_out, {m: lambda x, y, i=i: cosines[i].append(nn.functional.cosine_similarity(
+        forms[i](x.float()).flatten(0, -2), y.float().flatten(0, -2), dim=-1).cpu()) for i, m in modules.items()})
+    layers = [{"layer": i, "dense_width": forms[i].width, "held_out_agreement": float(torch.cat(c).mean())}
+              for i, c in cosines.items()]
+    return {"held_out_agreement": sum(x["held_out_agreement"] for x in layers) / len(layers), "layers": layers}
+
+
 def approximate(model: PreTrainedModel, tokenizer: Any, calib: TextSource, held_out: TextSource, *,
-                steps: int, seq_len: int, seed: int = 0) -> tuple[Approximation, dict[str, Any]]:
+                steps: int, seq_len: int, seed: int = 0, dense_layers: list[int] | str = (),
+                fmt: str | None = None) -> tuple[Approximation, dict[str, Any]]:
     """The ``Approximation`` of every part of ``model`` no format computes, and per part what it is and its
-    held-out agreement. ``steps``: optimiser steps of fitted routers. ``ValueError`` when nothing needs it."""
-    calib_windows, held_windows = windows(calib, tokenizer, seq_len), windows(held_out, tokenizer, seq_len)
+    held-out agreement. ``steps``: optimiser steps of fitted routers. ``dense_layers``: layer indices to
+    export dense, or ``"auto"``: the cheapest for format ``fmt`` (``HfExporter.cheapest_dense_layers``).
+    ``ValueError`` when nothing needs it."""
     routers = _non_linear_routers(model)
     thresholded = {p: r for p, r in routers.items() if hasattr(r, "fixed_k_form")}
     fitted = [p for p in routers if p not in thresholded]
     attentions = {n: m for n, m in model.named_modules() if isinstance(m, PrunedAttention) and m.router is not None}
     projections = [m for m in model.modules() if isinstance(m, ThresholdedLinear)]
-    if not (routers or attentions or projections):
+    named_dense = dense_modules(model, list(dense_layers)) if dense_layers != "auto" else {}
+    if not (routers or attentions or projections or dense_layers):
         raise ValueError("--approximate applies to parts no format computes (non-linear or threshold routers, "
                          "per-token attention dimensions, input thresholds); this model has none: its export "
                          "is exact without it")
+    calib_windows, held_windows = windows(calib, tokenizer, seq_len), windows(held_out, tokenizer, seq_len)
     routings, dims, parts = {}, {}, {}
     if fitted:
         if steps < 1:
@@ -167,4 +210,16 @@ def approximate(model: PreTrainedModel, tokenizer: Any, calib: TextSource, held_
     if projections:
         parts["input_thresholds"] = {"what": "activation thresholds dropped: the dense projections",
                                      "held_out_agreement": kept_inputs(projections, model, held_windows)}
-    return Approximation(routings, dims, drop_thresholds=bool(projections)), parts
+    approximation = Approximation(routings, dims, drop_thresholds=bool(projections))
+    if dense_layers == "auto":
+        chosen = EXPORTERS[fmt].cheapest_dense_layers(model, approximation)
+        if not (chosen or approximation):
+            raise ValueError(f"--dense-layers auto: no routed layer's dense form makes the {fmt} layout run fewer "
+                             "neurons per token; its export is exact and as cheap without it")
+        named_dense = dense_modules(model, chosen)
+    if named_dense:
+        named = f"layer{'s' if len(named_dense) > 1 else ''} {', '.join(map(str, named_dense))}"
+        parts["dense_layers"] = {"what": f"{named} dense: every neuron held, for every token",
+                                 **dense_agreement(named_dense, model, held_windows)}
+        approximation = replace(approximation, dense_layers=frozenset(named_dense))
+    return approximation, parts

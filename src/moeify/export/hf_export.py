@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,7 @@ class _Analysis:
     parts: list[LayerParts] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     config: PretrainedConfig | None = None
+    source: Source | None = None
 
 
 class HfExporter:
@@ -180,7 +182,7 @@ class HfExporter:
         if not reasons:
             config = self.format.config(parts, source)
             reasons += _layout_reasons(self.format, source, config, tensors)
-        return _Analysis(Support(self.name, tuple(reasons), approximable), parts, tensors, config)
+        return _Analysis(Support(self.name, tuple(reasons), approximable), parts, tensors, config, source)
 
     def supports(self, model: PreTrainedModel, *, explain: bool = False,
                  approximation: Approximation = EXACT) -> bool | Support:
@@ -188,6 +190,41 @@ class HfExporter:
         ``explain=True`` a ``Support`` whose ``reasons`` say precisely why not."""
         support = self._analyse(model, approximation).support
         return support if explain else bool(support)
+
+    def cheapest_dense_layers(self, model: PreTrainedModel, approximation: Approximation = EXACT) -> list[int]:
+        """The routed layers (unit expert weights) whose dense form (``hf_parts.dense_form``) makes this
+        format's layout run the fewest MLP neurons per token, fewest layers on a tie; [] when none helps.
+
+        The formats size experts and shared parts once for all layers, so one layer that keeps most of its
+        neurons pads every other layer to its width; formats with dense layers of their own width
+        (qwen2_moe's ``mlp_only_layers``, glm4_moe's leading ones) can hold it apart. The layers are taken
+        widest first, by each of three widths (shared + expert, shared, expert): a layer sets the padded
+        widths through one of them."""
+        analysis = self._analyse(model, approximation)
+        if not analysis.support:
+            raise NotExportable(str(analysis.support))
+        parts = analysis.parts
+        units = [p.index for p in parts if p.routed and p.routing.weighting == "unit" and not p.routing.approximate]
+        dense, _ = layer_parts(model, replace(approximation, dense_layers=frozenset(units)))
+        by_index = {p.index: p for p in dense}
+
+        def cost(layers: frozenset[int]) -> float:  # inf: a layout the format cannot hold (nothing routed)
+            mixed = [by_index[p.index] if p.index in layers else p for p in parts]
+            if self.format.explain(mixed, analysis.source):
+                return math.inf
+            return self.format.neurons_per_token(self.format.config(mixed, analysis.source))
+
+        def widths(p: LayerParts) -> tuple[int, int]:
+            return p.shared.width, max(e.width for e in p.experts)
+
+        best, best_cost = frozenset(), cost(frozenset())
+        for key in (lambda p: sum(widths(p)), lambda p: widths(p)[0], lambda p: widths(p)[1]):
+            order = [p.index for p in sorted((p for p in parts if p.index in units), key=key, reverse=True)]
+            for n in range(1, len(order) + 1):
+                layers = frozenset(order[:n])
+                if (neurons := cost(layers), n) < (best_cost, len(best)):
+                    best, best_cost = layers, neurons
+        return sorted(best)
 
     @torch.no_grad()
     def build(self, model: PreTrainedModel, *, approximation: Approximation = EXACT) -> HfExport:

@@ -94,6 +94,11 @@ class TargetFormat(Protocol):
 
     def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]: ...
 
+    def neurons_per_token(self, config: PretrainedConfig) -> int:
+        """MLP neurons a token runs through the whole model in this layout, zero padding included: what the
+        format's widths cost (``HfExporter.cheapest_dense_layers`` compares layouts by it)."""
+        ...
+
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
         """Layers whose MLP the format holds in another arrangement or width than moeify's runtime computes
         it (a shared part or a dense MLP folded into the experts, a wider shared part): the same function,
@@ -213,6 +218,11 @@ class Glm4Moe:
             out[prefix + "gate.e_score_correction_bias"] = torch.zeros(experts_n, dtype=torch.float32)
         return out
 
+    def neurons_per_token(self, config: PretrainedConfig) -> int:
+        k, moe = config.first_k_dense_replace, config.num_hidden_layers - config.first_k_dense_replace
+        return k * config.intermediate_size + moe * (config.n_shared_experts + config.num_experts_per_tok) \
+            * config.moe_intermediate_size
+
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
         """Dense layers after the leading ones, and shared parts when n x W is wider than the runtime's S."""
         routed = [p for p in parts if p.routed]
@@ -266,6 +276,11 @@ class Qwen2Moe:
             out.update(routed_tensors(prefix, experts, config.moe_intermediate_size, router))
         return out
 
+    def neurons_per_token(self, config: PretrainedConfig) -> int:
+        dense = len(config.mlp_only_layers)
+        routed = config.shared_expert_intermediate_size + config.num_experts_per_tok * config.moe_intermediate_size
+        return dense * config.intermediate_size + (config.num_hidden_layers - dense) * routed
+
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
         return unpadded_shared(parts, config.shared_expert_intermediate_size)
 
@@ -291,6 +306,9 @@ class Mixtral:
             _, experts, router = fold(part, 0, config.num_local_experts)
             out.update(routed_tensors(f"model.layers.{part.index}.mlp.", experts, config.intermediate_size, router))
         return out
+
+    def neurons_per_token(self, config: PretrainedConfig) -> int:
+        return config.num_hidden_layers * config.num_experts_per_tok * config.intermediate_size
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
         return [p.index for p in parts if p.shared.width]
@@ -337,6 +355,10 @@ class GraniteMoeShared:
                                       router_name="router"))
         return out
 
+    def neurons_per_token(self, config: PretrainedConfig) -> int:
+        return config.num_hidden_layers * (config.shared_intermediate_size
+                                           + config.num_experts_per_tok * config.intermediate_size)
+
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
         return sorted({p.index for p in parts if p.shared.width > config.shared_intermediate_size}
                       | set(unpadded_shared(parts, config.shared_intermediate_size)))
@@ -362,6 +384,9 @@ class Llama:
     def tensors(self, parts: list[LayerParts], config: PretrainedConfig) -> dict[str, Tensor]:
         return {key: value for part in parts for key, value in
                 mlp_tensors(f"model.layers.{part.index}.mlp.", part.shared.padded(config.intermediate_size)).items()}
+
+    def neurons_per_token(self, config: PretrainedConfig) -> int:
+        return config.num_hidden_layers * config.intermediate_size
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
         return []

@@ -71,6 +71,11 @@ class GatedMlp:
         return GatedMlp(torch.cat([self.gate, other.gate]), torch.cat([self.up, other.up]),
                         torch.cat([self.down, other.down], dim=1))
 
+    def __call__(self, x: Tensor) -> Tensor:
+        """The MLP on ``x`` (..., d), in x's dtype."""
+        gate, up, down = (t.to(x.dtype) for t in (self.gate, self.up, self.down))
+        return nn.functional.linear(nn.functional.silu(x @ gate.T) * (x @ up.T), down)
+
     def padded(self, width: int) -> "GatedMlp":
         """Zero neurons appended up to ``width``: a zero up row gives h = 0 and a zero down column adds 0,
         so the function is unchanged (exactly, for any activation)."""
@@ -105,14 +110,17 @@ class Approximation:
     """What an export computes in place of what no format does (``moeify export --approximate``, built by
     ``export.approximate``): ``routings`` replace routers by layer path, ``attention_dims`` give a
     per-token attention (ToMoE's value/output dimensions) static dimensions by module path, and
-    ``drop_thresholds`` exports thresholded projections (TEAL) as the dense ones they wrap."""
+    ``drop_thresholds`` exports thresholded projections (TEAL) as the dense ones they wrap, and
+    ``dense_layers`` (layer indices) export those routed layers as dense MLPs of every neuron they hold
+    (``dense_form``)."""
 
     routings: dict[str, Routing] = field(default_factory=dict)
     attention_dims: dict[str, Tensor] = field(default_factory=dict)
     drop_thresholds: bool = False
+    dense_layers: frozenset[int] = frozenset()
 
     def __bool__(self) -> bool:
-        return bool(self.routings or self.attention_dims or self.drop_thresholds)
+        return bool(self.routings or self.attention_dims or self.drop_thresholds or self.dense_layers)
 
 
 EXACT = Approximation()
@@ -189,6 +197,27 @@ def _moe_parts(module: MoeMLP, routing: Routing | None) -> tuple[GatedMlp | None
     return shared, experts, routing
 
 
+def dense_form(module: MoeMLP) -> GatedMlp:
+    """A routed layer as the dense MLP of every neuron it holds, each once, weighing 1: the layer with
+    every expert on (experts that overlap, ToMoE's, give their union). It runs what each token ran and the
+    other experts' neurons beside it, so it is a close form of a layer that keeps most of its neurons for
+    every token (a ToMoE layer whose experts share nearly all of them), where a format's global widths
+    would pad every other layer to its width. Only for experts that weigh 1 when chosen: other weights
+    have no all-on form."""
+    shared, experts, _ = _moe_parts(module, None)
+    routing = linear_routing(module.router)
+    if routing.weighting != "unit" or routing.expert_scale != 1.0:
+        raise NotRepresentable(f"a dense form needs experts that weigh 1 when chosen; this router's weigh "
+                               f"{routing.weighting!r} x {routing.expert_scale:g}")
+    whole = shared if shared is not None else GatedMlp.empty(experts[0].up.shape[1], experts[0].up)
+    if module.shares_neurons:  # the union, stored once: the neurons some expert runs
+        store, used = _module_part(module.experts, "the experts"), module.experts.index.unique().long()
+        return whole.cat(GatedMlp(store.gate[used], store.up[used], store.down[:, used]))
+    for expert in experts:
+        whole = whole.cat(expert)
+    return whole
+
+
 def thresholds_reason(module: nn.Module, approximation: Approximation) -> NotRepresentable | None:
     """Why ``module``'s thresholded projections (TEAL) are not exported, unless dropped by ``approximation``."""
     if approximation.drop_thresholds or not any(isinstance(m, ThresholdedLinear) for m in module.modules()):
@@ -213,7 +242,9 @@ def layer_parts(model: nn.Module, approximation: Approximation = EXACT
             module = adapter.mlp_module(i)
             if (reason := thresholds_reason(module, approximation)) is not None:
                 raise reason
-            if isinstance(module, MoeMLP):
+            if isinstance(module, MoeMLP) and i in approximation.dense_layers:
+                shared, experts, routing = dense_form(module), (), None
+            elif isinstance(module, MoeMLP):
                 shared, experts, routing = _moe_parts(module, approximation.routings.get(where))
             else:
                 mlp = adapter.mlp(i)
