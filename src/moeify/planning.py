@@ -8,9 +8,9 @@ largest phase plus what the process itself holds (Python, torch, transformers: m
   a decoder layer's activations (torch's attention kernels keep no seq x seq matrix) and one chunk of
   logits (``LOGIT_CHUNK`` positions) with their float32 copy and log-softmax.
 - ``convert``: calibration, one decoder layer at a time (``calibration.stream``): every calibration
-  window's hidden states twice (a layer's inputs and outputs), and the method's per-layer statistics
-  (``Method.memory``: e.g. CMoE's (tokens x d_ff) activations and markers, MoRE's co-activation
-  matrix and its spectral decomposition).
+  window's hidden states twice (a layer's inputs and outputs, in float32 whatever the dtype), and the
+  method's per-layer statistics (``Method.memory``: e.g. CMoE's (tokens x d_ff) activations and markers,
+  MoRE's co-activation matrix and its spectral decomposition).
 - ``train`` (methods that train): gradients and AdamW's two moments of what is trained, in float32 (a
   bfloat16/float16 model trains float32 master copies of those parameters: ``training.precision``), the
   activations a step keeps (with recomputation: every decoder layer's input plus one layer's
@@ -46,6 +46,7 @@ GIB = 2**30
 PROCESS_BYTES = int(0.45 * GIB)  # Python, torch, transformers and moeify: a 260K-parameter conversion's peak
 EVAL_BATCH = 8                   # windows per forward in ``evaluation.perplexity``
 LOGIT_CHUNK = 1024               # positions whose logits exist at once (``evaluation.perplexity``)
+CALIB_BYTES = 4                  # calibration caches hidden states in float32 (``calibration.stream``)
 
 # Shapes of the models the papers convert (their published configs), for plans without a checkpoint.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -184,7 +185,7 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
     phases = {"evaluate dense": evaluation}
     if method.calib_tokens or method.layer_statistics:
         phases["convert"] = {"weights": weights, "converted weights": written,
-                             "calibration hidden states": 2 * method.calib_tokens * shape.hidden * b,
+                             "calibration hidden states": 2 * method.calib_tokens * shape.hidden * CALIB_BYTES,
                              "layer statistics": method.layer_statistics}
     if method.train_tokens:
         tokens = method.train_tokens
@@ -248,7 +249,8 @@ def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: torch.d
                   "logits": _logits(shape, batch, b)}
     phases = {"evaluate dense": evaluation}
     if method.calib_tokens or method.layer_statistics:
-        phases["convert"] = {**resident, "calibration hidden states": 2 * method.calib_tokens * shape.hidden * b,
+        phases["convert"] = {**resident,
+                             "calibration hidden states": 2 * method.calib_tokens * shape.hidden * CALIB_BYTES,
                              "layer statistics": method.layer_statistics}
     phases["evaluate MoE"] = {**evaluation, "packed experts": shape.mlp_params // shape.layers * b
                               if inference_copy else 0}

@@ -114,3 +114,13 @@ def test_readme_plan_table_is_what_moeify_plan_prints():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "\n".join("  " + line for line in table().splitlines()) in readme
     assert "\n".join("  " + line for line in table(layer_by_layer=True).splitlines()) in readme
+
+
+@pytest.mark.parametrize("layer_by_layer", [False, True])
+def test_calibration_hidden_states_are_planned_in_float32_whatever_the_dtype(layer_by_layer):
+    """``calibration.stream`` caches every calibration window's hidden states in float32."""
+    states = {dtype: plan("llama-2-7b", "cmoe", dtype=dtype, layer_by_layer=layer_by_layer)
+              for dtype in ("bfloat16", "float32")}
+    tokens = states["float32"].work["calibration tokens x layers"] // 32
+    for memory in states.values():
+        assert memory.phases["convert"]["calibration hidden states"] == 2 * tokens * 4096 * 4
