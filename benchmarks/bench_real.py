@@ -75,6 +75,7 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     # the training methods at a CPU budget, at their papers' learning rates, with their ablations
     "dsmoe": ("dsmoe", {"steps": 20, "lr": 2e-5, "checkpoint_every": 0}),
     "dsmoe_no_ste": ("dsmoe", {"steps": 20, "lr": 2e-5, "variant": "no_ste", "checkpoint_every": 0}),
+    "dsmoe_defaults": ("dsmoe", {}),  # the paper's: 200 steps of 8 x 256 tokens at lr 2e-4, gates at 1e-2
     "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
     "dense2moe_upcycle_weighting": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
                                                   "router_weighting": "upcycle"}),
