@@ -45,7 +45,14 @@ from moeify.calibration.data import TextSource, token_stream
 from moeify.calibration.hooks import observing
 from moeify.export.hf_distill import distill_routers
 from moeify.export.hf_export import EXPORTERS
-from moeify.export.hf_parts import Approximation, NotRepresentable, Routing, dense_form, linear_routing
+from moeify.export.hf_parts import (
+    Approximation,
+    GatedMlp,
+    NotRepresentable,
+    Routing,
+    dense_form,
+    linear_routing,
+)
 from moeify.moe.accounting import tracking_routing
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
@@ -141,8 +148,8 @@ def kept_inputs(projections: list[ThresholdedLinear], model: PreTrainedModel, he
     return sum(m.stats_kept for m in projections) / max(1, sum(m.stats_inputs for m in projections))
 
 
-def dense_modules(model: PreTrainedModel, layers: list[int]) -> dict[int, MoeMLP]:
-    """The MoE layers ``layers`` names, checked to have a dense form (``ValueError`` naming a bad one)."""
+def dense_modules(model: PreTrainedModel, layers: list[int]) -> dict[int, tuple[MoeMLP, GatedMlp]]:
+    """The MoE layers ``layers`` names with their dense forms (``ValueError`` naming one that has none)."""
     adapter = DecoderAdapter(model)
     out = {}
     for i in layers:
@@ -152,20 +159,19 @@ def dense_modules(model: PreTrainedModel, layers: list[int]) -> dict[int, MoeMLP
         if not isinstance(module, MoeMLP) or module.router is None:
             raise ValueError(f"--dense-layers: layer {i} routes nothing (it is dense already)")
         try:
-            dense_form(module)
+            out[i] = module, dense_form(module)
         except NotRepresentable as error:
             raise ValueError(f"--dense-layers: layer {i}: {error.reason}") from None
-        out[i] = module
     return out
 
 
-def dense_agreement(modules: dict[int, MoeMLP], model: PreTrainedModel, held_out: list[Tensor]) -> dict[str, Any]:
+def dense_agreement(layers_: dict[int, tuple[MoeMLP, GatedMlp]], model: PreTrainedModel, held_out: list[Tensor]
+                    ) -> dict[str, Any]:
     """Each dense-form layer's mean cosine similarity to the routed layer's output on ``held_out`` tokens."""
-    forms = {i: dense_form(m) for i, m in modules.items()}
-    cosines: dict[int, list[Tensor]] = {i: [] for i in modules}
-    _run(model, held_out, {m: lambda x, y, i=i: cosines[i].append(nn.functional.cosine_similarity(
-        forms[i](x.float()).flatten(0, -2), y.float().flatten(0, -2), dim=-1).cpu()) for i, m in modules.items()})
-    layers = [{"layer": i, "dense_width": forms[i].width, "held_out_agreement": float(torch.cat(c).mean())}
+    cosines: dict[int, list[Tensor]] = {i: [] for i in layers_}
+    _run(model, held_out, {m: lambda x, y, i=i, form=form: cosines[i].append(nn.functional.cosine_similarity(
+        form(x.float()).flatten(0, -2), y.float().flatten(0, -2), dim=-1).cpu()) for i, (m, form) in layers_.items()})
+    layers = [{"layer": i, "dense_width": layers_[i][1].width, "held_out_agreement": float(torch.cat(c).mean())}
               for i, c in cosines.items()]
     return {"held_out_agreement": sum(x["held_out_agreement"] for x in layers) / len(layers), "layers": layers}
 

@@ -206,7 +206,7 @@ class HfExporter:
         parts = analysis.parts
         units = [p.index for p in parts if p.routed and p.routing.weighting == "unit" and not p.routing.approximate]
         dense, _ = layer_parts(model, replace(approximation, dense_layers=frozenset(units)))
-        by_index = {p.index: p for p in dense}
+        by_index = {p.index: p for p in dense if p.index in units}  # those with a dense form (unit scale too)
 
         def cost(layers: frozenset[int]) -> float:  # inf: a layout the format cannot hold (nothing routed)
             mixed = [by_index[p.index] if p.index in layers else p for p in parts]
@@ -219,7 +219,7 @@ class HfExporter:
 
         best, best_cost = frozenset(), cost(frozenset())
         for key in (lambda p: sum(widths(p)), lambda p: widths(p)[0], lambda p: widths(p)[1]):
-            order = [p.index for p in sorted((p for p in parts if p.index in units), key=key, reverse=True)]
+            order = [p.index for p in sorted((p for p in parts if p.index in by_index), key=key, reverse=True)]
             for n in range(1, len(order) + 1):
                 layers = frozenset(order[:n])
                 if (neurons := cost(layers), n) < (best_cost, len(best)):
