@@ -124,3 +124,20 @@ def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary file name beside ``path``; on success the file written there replaces ``path``, on
+    error it is removed (a reader never sees a half-written file)."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -9,6 +9,7 @@ or ``--overwrite`` (moeify's own earlier comparison is replaced whole).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from moeify.api.convert import convert, save
 from moeify.arch import DecoderAdapter
 from moeify.files import MARKER, OutputExistsError, check_output_dir
+from moeify.loading import load_model
 from moeify.methods import Method, get_method
 
 
@@ -46,20 +48,57 @@ def _completed(folder: Path) -> bool:
     return (folder / "record.json").is_file()
 
 
+def _resume_flags(method: Method, work: Path) -> dict[str, Any]:
+    """The options that continue a method's interrupted run from its checkpoints in ``work``: ``resume`` where
+    the method trains and left checkpoints, ``recover_resume`` where a recovery did."""
+    from moeify.training.checkpoint import last_checkpoint
+    from moeify.training.recovery import CHECKPOINTS
+
+    flags: dict[str, Any] = {}
+    if "resume" in {f.name for f in dataclasses.fields(method.config_cls)} and last_checkpoint(work) is not None:
+        flags["resume"] = True
+    if last_checkpoint(work, only=CHECKPOINTS) is not None:
+        flags["recover_resume"] = True
+    return flags
+
+
+def split_options(pairs: dict[str, Any], methods: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``--set`` values of a comparison: ``METHOD.KEY`` for one method, ``recover_*`` for every method's
+    recovery; returns (per-method options, recovery options)."""
+    per_method: dict[str, dict[str, Any]] = {method: {} for method in methods}
+    shared: dict[str, Any] = {}
+    for key, value in pairs.items():
+        method, dot, name = key.partition(".")
+        if dot:
+            if method not in per_method:
+                raise ValueError(f"--set {key}: {method!r} is not one of the compared methods ({', '.join(methods)})")
+            per_method[method][name] = value
+        elif key.startswith("recover_"):
+            shared[key] = value
+        else:
+            raise ValueError(f"--set {key}: name the method (METHOD.{key}) or give a recovery option (recover_*)")
+    return per_method, shared
+
+
 def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *,
                    calib: str | list[str] | None = None,
                    eval: str | None = None, seed: int = 0, device: str = "cpu", dtype: str | None = None,
-                   progress: bool = False, overwrite: bool = False,
-                   resume: bool = False) -> list[dict[str, Any]]:
+                   progress: bool = False, overwrite: bool = False, resume: bool = False,
+                   options: dict[str, dict[str, Any]] | None = None, recovery: dict[str, Any] | None = None,
+                   recover_tokens: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Convert with every method into ``out/<method>`` and write ``out/report``; returns one summary per
     method (its folder, the options used, how they were matched, or the error that stopped it). With
-    ``resume``, methods whose run in ``out`` is complete are not run again."""
-    import moeify
+    ``resume``, methods whose run in ``out`` is complete are not run again. ``options``: a method's own
+    options beside (and over) the matched ones. ``recover_tokens``: recover every conversion for the
+    largest of these budgets (``recovery``: the recovery's other options), its perplexity measured after
+    each smaller one; the methods share one teacher cache (``out/teacher_cache``) where the recovery
+    distils top-k targets."""
     from moeify.report.build import write_report
 
     prepare_output(out, overwrite=overwrite, resume=resume)
-    dense, _ = moeify.load_model(model, device, dtype)
+    dense, _ = load_model(model, device, dtype)
     adapter = DecoderAdapter(dense)
+    budget = {"recover_tokens": max(recover_tokens)} if recover_tokens else {}
     summaries = []
     for method in methods:
         attempts, how = matched_options(get_method(method), active, adapter)
@@ -71,15 +110,21 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
                            folder=str(out / method), resumed=True)
             summaries.append(summary)
             continue
-        for options in attempts:
+        for matched in attempts:
+            asked = {**matched, **(options or {}).get(method, {})}
+            continuing = _resume_flags(get_method(method), out / f"{method}.work") if resume else {}
             try:
-                result = convert(model, method, options, calib=calib, eval=eval, seed=seed, device=device,
-                                 dtype=dtype, progress=progress)
+                result = convert(model, method, {**asked, **(recovery or {}), **budget, **continuing}, calib=calib,
+                                 eval=eval,
+                                 seed=seed, device=device, dtype=dtype, progress=progress,
+                                 work_dir=out / f"{method}.work", recover_milestones=tuple(sorted(recover_tokens)),
+                                 teacher_cache=out / "teacher_cache")
             except ValueError as error:  # e.g. a budget this method cannot reach with these options
                 summary["error"] = str(error)
                 continue
-            summary.update(options=options, folder=str(save(result, out / method, overwrite=True)))
+            summary.update(options=asked, folder=str(save(result, out / method, overwrite=True)))
             summary.pop("error", None)
+            shutil.rmtree(out / f"{method}.work", ignore_errors=True)
             break
         summaries.append(summary)
     done = [Path(s["folder"]) for s in summaries if "folder" in s]

@@ -14,12 +14,13 @@ import torch
 from transformers import PreTrainedModel
 
 from moeify.api.plan import check_fits, method_plan
+from moeify.api.recover import recovery_config, run_recovery
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
 from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
-from moeify.evaluation.speed import forward_speed
+from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
 from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, model_source, working_dtype
@@ -30,8 +31,8 @@ from moeify.offload import layered_of
 from moeify.options import OptionError, build_config
 from moeify.planning import GIB, ModelShape
 from moeify.training.distributed import fsdp, world_size
+from moeify.training.recovery import RecoveryOptions, split_recovery_options
 
-SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that every convert prints
 CHARS_PER_TOKEN = 3  # for the memory plan's count of evaluation tokens: English BPE averages 4 or more
 
 
@@ -73,7 +74,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
             calib: str | Path | list[str | Path] | None = None, eval: str | Path | list[str | Path] | None = None,
             seed: int = 0, device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
             measure_speed: bool = True, progress: bool = False, work_dir: str | Path | None = None,
-            check_memory: bool = True, layer_by_layer: bool = False) -> ConversionResult:
+            check_memory: bool = True, layer_by_layer: bool = False, recover_milestones: tuple[int, ...] = (),
+            teacher_cache: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
     ``calib``: the calibration/training text, a file, a folder or a list (large corpora are streamed from a
@@ -87,9 +89,14 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     the weights are read one decoder layer at a time, each converted layer is written to its own file (in
     ``work_dir``, else a temporary folder the result owns) and the dense and MoE perplexities are computed
     layer by layer over cached hidden states (``moeify.offload``); no speed is measured (that needs the
-    whole model). Everything that can be validated is validated before the model's weights are loaded."""
+    whole model). ``recover_*`` options add a recovery after the method's own work (``moeify.api.recover``): its
+    perplexity is also measured after each of ``recover_milestones`` tokens, and ``teacher_cache`` is where
+    a top-k teacher cache is kept (default: ``work_dir``; ``moeify compare`` shares one among its methods).
+    Everything that can be validated is validated before the model's weights are loaded."""
     spec = get_method(method)
-    config = build_config(spec.config_cls, options or {})
+    method_options, recovery_options = split_recovery_options(options or {})
+    config = build_config(spec.config_cls, method_options)
+    recovery = recovery_config(recovery_options)
     calib_source = read_corpus(calib or EMBEDDED_CALIB)
     eval_sources = [read_text(e) for e in (eval if isinstance(eval, list) else [eval or EMBEDDED_EVAL])]
     eval_source = eval_sources[0]
@@ -99,8 +106,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     model_config = load_config(model)
     family_for(model_config)
     spec.check(config, model_config)
+    recovery.check(model_config)
     if layer_by_layer:
-        _check_layer_by_layer(spec, config)
+        _check_layer_by_layer(spec, config, recovery)
         measure_speed = False
     context = model_config.max_position_embeddings
     seq_len = context if eval_seq_len is None else eval_seq_len
@@ -131,12 +139,26 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         details = spec.run(ctx, config)
     convert_s = time.perf_counter() - start
     moe = ctx.model.eval()
+    recovered = None
+    if recovery.enabled:  # after the method's own training: a distillation from the dense model
+        with tracking_routing(moe):
+            before = perplexity(moe, tokenizer, eval_source, seq_len, progress=progress)
+        pre = {"ppl": before.ppl, "eval": before.as_dict(), "active": activated_parameters(moe, measured=True).as_dict()}
+        teacher, _ = load_model(model, device, dtype)
+        moe, recovered = run_recovery(moe, tokenizer, teacher, calib_source, recovery,
+                                      identity={"teacher": str(model or EMBEDDED_MODEL)}, eval_source=eval_source,
+                                      seq_len=seq_len, seed=seed, device=device, work_dir=ctx.work_dir,
+                                      cache_dir=None if teacher_cache is None else Path(teacher_cache),
+                                      milestones=recover_milestones, progress=progress)
+        del teacher
+        recovered["pre_recovery"] = pre
+        ctx.model = moe  # the analyses below read the recovered model
     quality, speed = _quality_and_speed(moe, tokenizer, eval_source, seq_len, measure_speed, progress)
     routing = routing_summary(moe)  # the evaluation pass tracked the routing
     measured = activated_parameters(moe, measured=True)
     active = measured.as_dict()
     nominal = nominal_activated_parameters(moe)
-    timings = {"convert_s": convert_s}
+    timings = {"convert_s": convert_s, **({} if recovered is None else {"recover_s": recovered["wall_s"]})}
     if spec.analyze is not None:  # after the common measurements: analyses may re-route and re-measure
         start = time.perf_counter()
         details["analysis"] = spec.analyze(ctx, config, eval_sources, seq_len)
@@ -161,10 +183,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         "paper_ratio": paper_ratio(moe, measured, spec.paper_ratio),
         "nominal_active": None if nominal is None else nominal.as_dict(),
         "routing": routing,
-        "speed": None if speed is None else {
-            "batch_size": SPEED_SHAPE[0], "seq_len": SPEED_SHAPE[1], "dense_tokens_per_s": dense_speed[0],
-            "tokens_per_s": speed[0], "speedup": speed[0] / dense_speed[0],
-            "spread": {"dense": dense_speed[1], "moe": speed[1]}, "repeats": 5, "warmup": 2},
+        "speed": None if speed is None else speed_record(dense_speed, speed, *SPEED_SHAPE),
         "timings": timings,
         "memory": {"plan_gib": round(memory.peak / GIB, 2), "plan_phase": memory.peak_phase,
                    "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
@@ -172,14 +191,18 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
                    if torch.device(device).type == "cuda" else None},
         "artifacts": sorted(artifacts),
         "details": details,
+        **({} if recovered is None else {"pre_recovery": recovered.pop("pre_recovery"), "recovery": recovered}),
         "versions": library_versions(),
         "warnings": warnings,
     }
     return ConversionResult(moe, tokenizer, record, warnings, artifacts, scratch)
 
 
-def _check_layer_by_layer(spec: Method, config: Any) -> None:
+def _check_layer_by_layer(spec: Method, config: Any, recovery: RecoveryOptions) -> None:
     """A layer-by-layer conversion needs a method that touches the model only a layer at a time."""
+    if recovery.enabled:
+        raise OptionError("a recovery (recover_tokens) trains the whole model, so it cannot run layer by layer; "
+                          "recover the saved conversion with moeify recover on a machine it fits")
     able = ", ".join(method.name for method in METHODS if method.layer_by_layer)
     if not spec.layer_by_layer:
         raise OptionError(f"method {spec.name!r} cannot convert layer by layer (it trains or analyses the whole "

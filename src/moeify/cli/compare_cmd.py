@@ -28,6 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval", default=None, help="evaluation text (default: embedded, disjoint)")
     parser.add_argument("--seed", type=int, default=0)
     add_device_arguments(parser)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="METHOD.KEY=VALUE: an option of one method, beside (and over) its matched ones (e.g. "
+                             "tomoe.steps=250); recover_*=VALUE: a recovery option for every method; repeatable")
+    parser.add_argument("--recover-tokens", default="", metavar="N[,N...]",
+                        help="recover every conversion by distillation from the dense model for the largest of "
+                             "these budgets (training tokens), the perplexity measured after each (the curve of "
+                             "report/recovery.png); the same budget for every method")
     parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs are "
                                                               "kept, the others run")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
@@ -36,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeify.api import run_comparison
+    from moeify.api.compare import split_options
+    from moeify.api.recover import recovery_config
+    from moeify.cli.recover_cmd import parse_milestones
+    from moeify.options import parse_assignments
     from moeify.files import output_lock
     from moeify.methods import get_method
 
@@ -44,12 +55,21 @@ def run(args: argparse.Namespace) -> int:
         get_method(name)  # unknown names fail before any work
     if not 0 < args.active <= 1:
         raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
+    per_method, recovery = split_options(parse_assignments(args.set), methods)
+    budgets = parse_milestones(args.recover_tokens)
+    if recovery and not budgets:
+        raise ValueError("recover_* options need a budget: --recover-tokens N")
+    recovery_config({**recovery, "recover_tokens": max(budgets, default=0)})  # bad values fail before any work
     with output_lock(args.out):
         summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
                                    seed=args.seed, device=args.device, dtype=args.dtype,
-                                   progress=True, overwrite=args.overwrite, resume=args.resume)
+                                   progress=True, overwrite=args.overwrite, resume=args.resume, options=per_method,
+                                   recovery=recovery, recover_tokens=budgets)
         (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     for s in summaries:
         print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")
-    print(f"wrote {args.out}/report/report.md")
+    report = args.out / "report" / "report.md"
+    if report.is_file():
+        print(report.read_text().split("\n\n", 1)[1].split("\n!", 1)[0])
+    print(f"wrote {report}")
     return 0

@@ -83,19 +83,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {warning}", file=sys.stderr)
         out = moeify.save(result, args.out, overwrite=args.overwrite)
         shutil.rmtree(work, ignore_errors=True)  # checkpoints are for resuming; the model is saved now
-    rec = result.record
-    rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}"),
-            (f"{rec['method']} perplexity", f"{rec['metrics']['ppl']:.3f}"),
-            ("perplexity change +- its sampling error",
-             describe_change(rec["metrics"]["ppl_change"], rec["metrics"]["ppl_change_stderr"])),
-            ("eval tokens", str(rec["metrics"]["eval_tokens"])),
-            ("activated MLP ratio", f"{rec['active']['mlp_ratio']:.3f}"),
-            ("activated param ratio (APR)", f"{rec['active']['apr']:.3f}"),
-            (f"as the paper counts it ({rec['paper_ratio']['kind']})", f"{rec['paper_ratio']['value']:.3f}"),
-            ("active / total params", f"{rec['active']['active_params']:,.0f} / {rec['active']['total_params']:,}"),
-            ("conversion time", f"{rec['timings']['convert_s']:.1f} s"),
-            ("peak memory", f"{rec['memory']['peak_rss_gib']:.2f} GiB resident (`moeify plan`: "
-                            f"{rec['memory']['plan_gib']:.2f} GiB, at {rec['memory']['plan_phase']})")]
+    print_table(f"moeify convert --method {result.record['method']}", summary_rows(result.record))
+    print(f"wrote {out}/ (model, tokenizer, record.json{''.join(', ' + name for name in result.artifacts)})")
+    return 0
+
+
+def summary_rows(rec: dict) -> list[tuple[str, str]]:
+    """The summary table of a record (``convert`` and ``recover`` print it)."""
+    rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}")]
+    recovery = rec.get("recovery")
+    if recovery is not None:
+        rows.append((f"{rec['method']} perplexity before recovery", f"{rec['pre_recovery']['ppl']:.3f}"))
+    rows += [(f"{rec['method']} perplexity" + (" after recovery" if recovery else ""), f"{rec['metrics']['ppl']:.3f}"),
+             ("perplexity change +- its sampling error",
+              describe_change(rec["metrics"]["ppl_change"], rec["metrics"]["ppl_change_stderr"])),
+             ("eval tokens", str(rec["metrics"]["eval_tokens"])),
+             ("activated MLP ratio", f"{rec['active']['mlp_ratio']:.3f}"),
+             ("activated param ratio (APR)", f"{rec['active']['apr']:.3f}"),
+             (f"as the paper counts it ({rec['paper_ratio']['kind']})", f"{rec['paper_ratio']['value']:.3f}"),
+             ("active / total params", f"{rec['active']['active_params']:,.0f} / {rec['active']['total_params']:,}"),
+             ("conversion time", f"{rec['timings']['convert_s']:.1f} s")]
+    if recovery is not None:
+        rows.append(("recovery", f"{recovery['tokens']:,} tokens ({recovery['passes']} passes) in "
+                                 f"{recovery['wall_s']:.0f} s, {recovery['trainable_params']:,} trainable params "
+                                 f"({', '.join(recovery['parts'])}), teacher {recovery['teacher']}"))
+    if "memory" in rec:
+        memory = rec["memory"]
+        rows.append(("peak memory", f"{memory['peak_rss_gib']:.2f} GiB resident (`moeify plan`: "
+                                    f"{memory['plan_gib']:.2f} GiB, at {memory['plan_phase']})"))
     if rec["config"]["layer_by_layer"]:
         rows.append(("speed", "not measured (layer by layer: the model is never whole in memory)"))
     if rec["speed"]:
@@ -103,6 +118,4 @@ def run(args: argparse.Namespace) -> int:
         rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']}, median of {s['repeats']})",
                      f"{s['dense_tokens_per_s']:,.0f} -> {s['tokens_per_s']:,.0f} ({s['speedup']:.2f}x; spread "
                      f"{100 * s['spread']['dense']:.0f}% / {100 * s['spread']['moe']:.0f}%)"))
-    print_table(f"moeify convert --method {rec['method']}", rows)
-    print(f"wrote {out}/ (model, tokenizer, record.json{''.join(', ' + name for name in result.artifacts)})")
-    return 0
+    return rows

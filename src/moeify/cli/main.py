@@ -17,11 +17,13 @@ from moeify.cli import (
     export_cmd,
     methods_cmd,
     plan_cmd,
+    recover_cmd,
     report_cmd,
 )
 from moeify.version import __version__
 
-COMMANDS = (convert_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd, analyze_cmd, plan_cmd)
+COMMANDS = (convert_cmd, recover_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd,
+            analyze_cmd, plan_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,17 +46,25 @@ def _terminate(_signum: int, _frame: object) -> None:
 
 
 def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
-    """Where the last training checkpoint is and the command that continues from it."""
+    """Where the last training checkpoint is and the command that continues from it: ``resume=true`` for a
+    method's own training, ``recover_resume=true`` for a recovery's."""
     from moeify.cli.convert_cmd import work_dir
     from moeify.options import parse_assignments, parse_bool
     from moeify.training.checkpoint import last_checkpoint
+    from moeify.training.recovery import CHECKPOINTS
 
     out = getattr(args, "out", None)
-    last = None if out is None else last_checkpoint(work_dir(Path(out)))
+    work = None if out is None else work_dir(Path(out))
+    recovery = None if work is None else last_checkpoint(work, only=CHECKPOINTS)  # the stage that ran last
+    last = recovery or (None if work is None else last_checkpoint(work))
     if last is None:
         return "; no training checkpoint was written, nothing to resume"
-    resumed = parse_bool("resume", parse_assignments(getattr(args, "set", None) or []).get("resume", "false"))
-    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, *([] if resumed else ["--set", "resume=true"])])
+    given = parse_assignments(getattr(args, "set", None) or [])
+    flags = [] if args.command == "recover" else ["resume"]  # a recovery follows the method's finished training
+    if recovery is not None:
+        flags.append("recover_resume")
+    missing = [f"{flag}=true" for flag in flags if not parse_bool(flag, given.get(flag, "false"))]
+    command = " ".join(shlex.quote(a) for a in ["moeify", *argv, *(x for f in missing for x in ("--set", f))])
     return f"; the last checkpoint is {last} (step {last.name.split('-')[-1]}); continue with: {command}"
 
 

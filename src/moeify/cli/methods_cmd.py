@@ -8,6 +8,7 @@ from typing import Any
 
 from moeify.methods import METHODS
 from moeify.options import describe
+from moeify.training.recovery import RecoveryOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +32,10 @@ def listing() -> str:
         lines += [f"    {name:<20} {kind:<28} default {default!s:<16} {help_text}"
                   for name, kind, default, help_text in describe(method.config_cls)]
         lines.append("")
+    lines += ["recovery (every method, convert --set or moeify recover --set): distillation from the dense model",
+              "  options (--set KEY=VALUE):"]
+    lines += [f"    {name:<26} {kind:<22} default {default!s:<16} {help_text}"
+              for name, kind, default, help_text in describe(RecoveryOptions)]
     return "\n".join(lines) + "\n"
 
 
@@ -56,4 +61,10 @@ def markdown() -> str:
         lines += [f"| `{name}` | `{_cell(kind)}` | `{_cell(_value(default))}` | {_cell(help_text)} |"
                   for name, kind, default, help_text in describe(method.config_cls)]
         lines.append("")
+    lines += ["### Recovery (every method)", "", "A distillation from the dense model after the conversion: "
+              "`convert --set recover_tokens=N` or `moeify recover RUN --tokens N`.", "",
+              "| option | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | `{_cell(kind)}` | `{_cell(_value(default))}` | {_cell(help_text)} |"
+              for name, kind, default, help_text in describe(RecoveryOptions)]
+    lines.append("")
     return "\n".join(lines)

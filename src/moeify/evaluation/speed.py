@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch import nn
+
+SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that convert and recover record
 
 
 @torch.no_grad()
@@ -35,6 +38,14 @@ def forward_speed(model: nn.Module, batch_size: int, seq_len: int, *, repeats: i
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return batch_size * seq_len / median, (max(times) - min(times)) / median
+
+
+def speed_record(dense: tuple[float, float], moe: tuple[float, float], batch_size: int, seq_len: int, *,
+                 repeats: int = 5, warmup: int = 2) -> dict[str, Any]:
+    """A record's ``speed`` block from two ``forward_speed`` results of one process."""
+    return {"batch_size": batch_size, "seq_len": seq_len, "dense_tokens_per_s": dense[0], "tokens_per_s": moe[0],
+            "speedup": moe[0] / dense[0], "spread": {"dense": dense[1], "moe": moe[1]}, "repeats": repeats,
+            "warmup": warmup}
 
 
 @torch.no_grad()

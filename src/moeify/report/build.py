@@ -30,16 +30,32 @@ def read_runs(folders: list[Path]) -> list[dict[str, Any]]:
 
 
 def markdown_table(runs: list[dict[str, Any]]) -> str:
-    head = ("| run | method | dense ppl | ppl | change +- sampling error | APR (measured) | APR (nominal) | MLP ratio "
-            "| speed-up | convert s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    """One row per run, by APR; runs that were recovered add their perplexity before the recovery and the
+    recovery's tokens and time."""
+    recovered = any(r.get("recovery") for r in runs)
+    extra = " ppl before recovery | recovery tokens | recovery s |" if recovered else ""
+    head = (f"| run | method | dense ppl | ppl | change +- sampling error | APR (measured) | APR (nominal) | MLP ratio "
+            f"| speed-up | convert s |{extra}\n|{'---|' * (10 + 3 * recovered)}\n")
     rows = []
     for r in sorted(runs, key=lambda r: r["active"]["apr"]):
         speed = f"{r['speed']['speedup']:.2f}x" if r.get("speed") else "-"
         nominal = f"{r['nominal_active']['apr']:.3f}" if r.get("nominal_active") else "-"  # None: data-dependent
-        rows.append(f"| {r['_name']} | {r['method']} | {r['metrics']['dense_ppl']:.3f} | {r['metrics']['ppl']:.3f} | "
-                    f"{_change(r['metrics'])} | {r['active']['apr']:.3f} | {nominal} | "
-                    f"{r['active']['mlp_ratio']:.3f} | {speed} | {r['timings']['convert_s']:.1f} |")
+        row = (f"| {r['_name']} | {r['method']} | {r['metrics']['dense_ppl']:.3f} | {r['metrics']['ppl']:.3f} | "
+               f"{_change(r['metrics'])} | {r['active']['apr']:.3f} | {nominal} | "
+               f"{r['active']['mlp_ratio']:.3f} | {speed} | {r['timings']['convert_s']:.1f} |")
+        if recovered:
+            recovery = r.get("recovery")
+            row += (" - | - | - |" if not recovery else f" {r['pre_recovery']['ppl']:.3f} | {recovery['tokens']:,} | "
+                                                          f"{recovery['wall_s']:.0f} |")
+        rows.append(row)
     return head + "\n".join(rows) + "\n"
+
+
+def recovery_curve(record: dict[str, Any]) -> list[tuple[int, float]]:
+    """(tokens, perplexity) of a recovered run: before it (0 tokens), at each milestone, at the end."""
+    recovery = record["recovery"]
+    points = [(0, record["pre_recovery"]["ppl"])] + [(p["tokens"], p["ppl"]) for p in recovery["curve"]]
+    return points + [(recovery["tokens"], record["metrics"]["ppl"])]
 
 
 def _change(metrics: dict[str, Any]) -> str:
@@ -112,6 +128,18 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
         ax.set(xlabel="layer", ylabel="JSD to uniform (bits)", title="Routing divergence per layer (MoRE Eq. 18)")
         ax.legend(fontsize=8)
         out["routing_jsd.png"] = png(fig)
+
+    recovered = [r for r in runs if r.get("recovery")]
+    if recovered:
+        fig, ax = _figure(plt)
+        for r in recovered:
+            curve = recovery_curve(r)
+            ax.plot([t for t, _ in curve], [ppl for _, ppl in curve], marker="o", label=r["_name"])
+        ax.axhline(dense, color="black", lw=0.8, label=f"dense ({dense:.2f})")
+        ax.set(xlabel="recovery tokens", ylabel="perplexity (log scale)", yscale="log",
+               title="Perplexity against recovery tokens")
+        ax.legend(fontsize=8)
+        out["recovery.png"] = png(fig)
 
     timed = [r for r in runs if r.get("speed")]
     if timed:

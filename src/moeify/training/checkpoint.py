@@ -55,9 +55,10 @@ def _step_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
 
 
-def last_checkpoint(work_dir: Path) -> Path | None:
-    """The latest complete checkpoint of the runs kept in ``work_dir`` (a checkpoint folder per run), if any."""
-    dirs = [d for run in Path(work_dir).glob("*") if run.is_dir() for d in _step_dirs(run)]
+def last_checkpoint(work_dir: Path, only: str | None = None) -> Path | None:
+    """The latest complete checkpoint of the runs kept in ``work_dir`` (a checkpoint folder per run; ``only``:
+    of the run in that folder), if any."""
+    dirs = [d for run in Path(work_dir).glob(only or "*") if run.is_dir() for d in _step_dirs(run)]
     return max(dirs, key=lambda p: int(p.name[len(_PREFIX):]), default=None)
 
 

@@ -74,6 +74,17 @@ class WarmupCosine:
         return warmup_cosine(step, steps, self.warmup, self.final_ratio)
 
 
+@dataclass(frozen=True)
+class WarmupConstant:
+    """A ``TrainPlan.schedule``: linear warm-up, (step + 1) / warmup, then the base rate: every step after
+    the warm-up learns as any other, so a longer run's first n steps are a run of n steps."""
+
+    warmup: int
+
+    def factor(self, step: int, steps: int) -> float:
+        return min(1.0, (step + 1) / self.warmup)
+
+
 def scale_lr_(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Every group's rate := factor x its base rate, kept as ``initial_lr`` (as torch's schedulers do), which
     the optimizer state, hence a checkpoint, carries."""
@@ -87,16 +98,18 @@ class TrainPlan:
     micro-batches; with checkpointing, a checkpoint every ``checkpoint_every`` steps (0: only the last);
     ``schedule``: the learning-rate schedule (None: constant); ``recompute``: activation checkpointing of
     the decoder layers (``recompute.py``); ``epoch_samples``: > 0 trains on that many disjoint windows, each
-    seen once, in ``steps = ceil(epoch_samples / batch_size)`` steps (``epoch``)."""
+    seen once, in ``steps = ceil(epoch_samples / batch_size)`` steps (``epoch``); ``wrap``: or, where the
+    text holds fewer, in passes over them (``epoch_windows``)."""
 
     steps: int
     batch_size: int
     seq_len: int
     grad_accum: int = 1
     checkpoint_every: int = 0
-    schedule: WarmupCosine | None = None
+    schedule: WarmupCosine | WarmupConstant | None = None
     recompute: bool = True
     epoch_samples: int = 0
+    wrap: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
@@ -161,16 +174,18 @@ def epoch(samples: int, batch_size: int, **plan: Any) -> TrainPlan:
     return TrainPlan(steps=math.ceil(samples / batch_size), batch_size=batch_size, epoch_samples=samples, **plan)
 
 
-def epoch_windows(stream: Tensor, seq_len: int, samples: int, seed: int) -> Tensor:
+def epoch_windows(stream: Tensor, seq_len: int, samples: int, seed: int, *, wrap: bool = False) -> Tensor:
     """``samples`` disjoint windows of ``seq_len`` tokens from ``stream`` in a seeded random order:
-    (samples, seq_len). The order depends on ``seed`` alone, so a resumed run sees the same epoch."""
+    (samples, seq_len). The order depends on ``seed`` alone, so a resumed run sees the same epoch, and the
+    windows of fewer samples are the first ones of more. ``wrap``: more samples than the text holds make
+    further passes over the same windows, each in its own order (else an error)."""
     slots = len(stream) // seq_len
-    if slots < samples:
+    if slots < samples and not wrap or not slots:
         raise ValueError(f"training text has {len(stream)} tokens: {slots} windows of seq_len={seq_len}, "
                          f"fewer than the {samples} samples asked for")
     generator = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(slots, generator=generator)[:samples]
-    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen.tolist()]).long()
+    chosen = torch.cat([torch.randperm(slots, generator=generator) for _ in range(math.ceil(samples / slots))])
+    return torch.stack([stream[s * seq_len:(s + 1) * seq_len] for s in chosen[:samples].tolist()]).long()
 
 
 def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, precision: Precision,
@@ -250,7 +265,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
               sharded(network, optimizer, device, replicated, enabled=shard) as shards):
             start, log = _start(model, optimizer, generator, precision, checkpointing, plan.steps)
             log.trainable_params = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-            windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed) if plan.epoch_samples else None
+            windows = (epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed, wrap=plan.wrap)
+                       if plan.epoch_samples else None)
             began = time.perf_counter()
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
                        disable=not progress or not is_main())

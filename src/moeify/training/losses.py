@@ -15,6 +15,7 @@ Gemma's soft-capping).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -38,14 +39,16 @@ def _chunk_kl(head: nn.Module, teacher: Tensor, student: Tensor) -> Tensor:
 
 
 def chunked(fn: Callable[..., Tensor], head: nn.Module, *tensors: Tensor) -> Tensor:
-    """The sum of ``fn(head, *chunk)`` over chunks of ``CHUNK_TOKENS`` rows of ``tensors`` (all (N, ...)),
-    each chunk checkpointed so that its logits are freed after its forward and rebuilt for its backward."""
-    total = tensors[0].new_zeros((), dtype=torch.float32)
+    """The sum of ``fn(head, *chunk)`` (a scalar or a vector of sums) over chunks of ``CHUNK_TOKENS`` rows of
+    ``tensors`` (all (N, ...)), each chunk checkpointed so that its logits are freed after its forward and
+    rebuilt for its backward."""
+    total: Tensor | None = None
     for parts in zip(*(t.split(CHUNK_TOKENS) for t in tensors)):
         if torch.is_grad_enabled():
-            total = total + checkpoint(fn, head, *parts, use_reentrant=False)
+            value = checkpoint(fn, head, *parts, use_reentrant=False)
         else:
-            total = total + fn(head, *parts)
+            value = fn(head, *parts)
+        total = value if total is None else total + value
     return total
 
 
@@ -61,3 +64,62 @@ def distillation_kl(model: nn.Module, teacher_hidden: Tensor, student_hidden: Te
     (batch, seq, d) through the model's output head (the teacher's side without gradients)."""
     teacher, student = teacher_hidden.flatten(0, -2), student_hidden.flatten(0, -2)
     return chunked(_chunk_kl, output_head(model), teacher, student) / teacher.shape[0]
+
+
+def top_k_targets(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A teacher's distribution kept as its ``k`` likeliest tokens: (log-probabilities (n, k), their ids
+    (n, k), the log of the probability mass of every other token (n,)), from logits (n, vocabulary)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top, ids = logp.topk(k, dim=-1)
+    tail = logp.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
+    return top, ids, tail
+
+
+def _kl_and_lm(student_logp: Tensor, kl: Tensor, targets: Tensor) -> Tensor:
+    """(KL sum, next-token cross-entropy sum) of a chunk; targets of -100 (the last position) are not scored."""
+    lm = torch.nn.functional.nll_loss(student_logp, targets, ignore_index=-100, reduction="sum")
+    return torch.stack([kl, lm])
+
+
+def _chunk_full_kl(teacher_head: nn.Module, head: nn.Module, student: Tensor, teacher: Tensor,
+                   targets: Tensor) -> Tensor:
+    with torch.no_grad():
+        t = torch.log_softmax(teacher_head(teacher).float(), dim=-1)
+    s = torch.log_softmax(head(student).float(), dim=-1)
+    return _kl_and_lm(s, F.kl_div(s, t, log_target=True, reduction="sum"), targets)
+
+
+def _chunk_top_k_kl(head: nn.Module, student: Tensor, top: Tensor, ids: Tensor, tail: Tensor,
+                    targets: Tensor) -> Tensor:
+    """KL of the bucketed distributions: the teacher's k tokens one by one, every other token one bucket
+    (exact for that coarser distribution, so it is 0 only where the student matches the teacher on it)."""
+    s = torch.log_softmax(head(student).float(), dim=-1)
+    s_top = s.gather(-1, ids)
+    s_tail = s.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
+    kl = (top.exp() * (top - s_top)).sum() + torch.xlogy(tail.exp(), tail.exp()).sum() - (tail.exp() * s_tail).sum()
+    return _kl_and_lm(s, kl, targets)
+
+
+def next_token_targets(batch: Tensor) -> Tensor:
+    """Each position's next token, -100 at the last position (it predicts beyond the window): (N,)."""
+    return torch.cat([batch[:, 1:], batch.new_full((batch.shape[0], 1), -100)], dim=1).flatten()
+
+
+def distillation_loss(model: nn.Module, batch: Tensor, teacher: tuple[Tensor, ...], *, lm_share: float,
+                      teacher_head: nn.Module | None = None) -> dict[str, Tensor]:
+    """(1 - lm_share) KL(teacher || student) + lm_share x next-token cross-entropy, each a mean per token.
+
+    ``teacher``: the teacher's final hidden states (batch, seq, d), whose logits ``teacher_head`` gives
+    (the whole vocabulary), or its top-k targets (``top_k_targets``: (batch, seq, k) log-probabilities,
+    (batch, seq, k) ids, (batch, seq) tail mass). Every position is distilled; the last one has no next
+    token for the cross-entropy."""
+    hidden = final_hidden_states(model, batch).flatten(0, 1)
+    targets = next_token_targets(batch)
+    flat = [t.flatten(0, 1) for t in teacher]
+    if len(teacher) == 1:
+        sums = chunked(partial(_chunk_full_kl, teacher_head), output_head(model), hidden, flat[0], targets)
+    else:
+        sums = chunked(_chunk_top_k_kl, output_head(model), hidden, *flat, targets)
+    kl = sums[0] / hidden.shape[0]
+    lm = sums[1] / (batch.shape[0] * (batch.shape[1] - 1))
+    return {"loss": (1 - lm_share) * kl + lm_share * lm, "kl": kl, "lm": lm}

@@ -1,0 +1,156 @@
+"""How to recover a conversion: the recovery's choices measured on SmolLM2-135M-Instruct (the GGUF in
+../shared/assets), each a run of the same budget from the same converted model.
+
+A conversion at APR 0.5 (``--method``, matched by the method's budget matcher, as ``moeify compare`` does)
+is made once and kept in ``--models``; each variant (``VARIANTS``: learning rate, what trains, LoRA or the
+weights, whole-vocabulary or top-k distillation, distillation or the LM loss) recovers a fresh copy of it
+on WikiText-2 valid for ``--tokens`` tokens and is evaluated on the first ``--eval-chars`` characters of
+WikiText-2 raw test (never the training text), after each of ``--milestones``. Rows are appended to
+``--out`` as JSON lines as they finish and a rerun skips the rows already there, so a long sweep can be
+continued; ``--markdown`` prints the table of what the file holds.
+
+    python benchmarks/bench_recovery.py --method cmoe --variants lr1e-4,lr3e-4 [--tokens 51200]
+    python benchmarks/bench_recovery.py --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
+EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
+OUT = Path(__file__).resolve().parent / "results" / "bench_recovery.jsonl"
+MODELS = Path(__file__).resolve().parent / "results" / "models"
+EVAL_SEQ_LEN = 2048
+
+# name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "lr3e-5": {"recover_lr": 3e-5},
+    "lr1e-4": {"recover_lr": 1e-4},
+    "lr3e-4": {"recover_lr": 3e-4},
+    "lr1e-3": {"recover_lr": 1e-3},
+    "top64_lr3e-4": {"recover_lr": 3e-4, "recover_top_k": 64},
+    "lm_lr3e-4": {"recover_lr": 3e-4, "recover_lm_share": 1.0},
+    "mlp_only_lr3e-4": {"recover_lr": 3e-4, "recover_parts": "routers,experts,shared"},
+    "lora8_lr1e-3": {"recover_lr": 1e-3, "recover_lora_rank": 8},
+    "lora8_lr3e-3": {"recover_lr": 3e-3, "recover_lora_rank": 8},
+}
+
+
+def converted(method: str, apr: float, models: Path) -> Path:
+    """The conversion of SmolLM2 by ``method`` at ``apr`` (made and saved once)."""
+    import moeify
+    from moeify.api import ConversionResult
+    from moeify.arch import DecoderAdapter
+    from moeify.calibration.data import read_text
+    from moeify.loading import load_model
+    from moeify.methods import ConversionContext, get_method
+    from moeify.options import build_config
+
+    folder = models / f"{method}_apr{apr}"
+    if folder.is_dir():
+        return folder
+    spec = get_method(method)
+    model, tokenizer = load_model(str(MODEL))
+    options = spec.match_budget(apr, DecoderAdapter(model))[0][0]
+    ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=True)
+    start = time.perf_counter()
+    details = spec.run(ctx, build_config(spec.config_cls, options))
+    record = {"method": method, "options": options, "convert_s": time.perf_counter() - start,
+              "details_keys": sorted(details)}
+    moeify.save(ConversionResult(ctx.model.eval(), tokenizer, record), folder)
+    return folder
+
+
+def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eval_file: Path) -> dict[str, Any]:
+    """Recover the conversion in ``folder`` with variant ``name``; the row to write."""
+    import moeify
+    from moeify.api.evaluate import evaluate
+    from moeify.calibration.data import read_text, token_stream
+    from moeify.loading import load_model
+    from moeify.options import build_config
+    from moeify.training.recovery import RecoveryOptions, recover
+
+    teacher, tokenizer = load_model(str(MODEL))
+    student = moeify.load(folder)
+    options = build_config(RecoveryOptions, {"recover_tokens": tokens, **VARIANTS[name]})
+    source = read_text(CALIB)
+
+    def ppl(_: int) -> dict[str, Any]:  # LoRA adapters, while they train, sit inside ``student``
+        result = evaluate(student, tokenizer, [eval_file], seq_len=EVAL_SEQ_LEN)
+        return {"ppl": result["ppl"][eval_file.name], "apr": result["active"]["apr"]}
+
+    before = ppl(0)
+    with tempfile.TemporaryDirectory() as work:
+        recovered, summary = recover(student, teacher, token_stream(source, tokenizer), options, seed=0,
+                                     device=torch.device("cpu"), identity={"model": str(MODEL),
+                                                                           "text": source.sha256},
+                                     work_dir=Path(work), milestones=milestones, on_milestone=ppl)
+    return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before,
+            "curve": summary["curve"], "seconds": summary["seconds"], "trainable_params": summary["trainable_params"],
+            "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| conversion | variant | tokens | PPL before | PPL after each milestone | s | trainable |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        curve = " / ".join(f"{p['ppl']:.2f} ({p['tokens'] // 1000}k)" for p in r["curve"])
+        lines.append(f"| {r['conversion']} | {r['variant']} | {r['tokens']:,} | {r['before']['ppl']:.2f} | {curve} | "
+                     f"{r['seconds']:.0f} | {r['trainable_params']:,} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", default="cmoe")
+    parser.add_argument("--apr", type=float, default=0.5)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    parser.add_argument("--tokens", type=int, default=51_200)
+    parser.add_argument("--milestones", default="25600,51200")
+    parser.add_argument("--eval-chars", type=int, default=20_000)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--models", type=Path, default=MODELS)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.is_file() else []
+    if args.markdown:
+        print(markdown(rows))
+        return
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; variants: {', '.join(VARIANTS)}")
+    folder = converted(args.method, args.apr, args.models)
+    conversion = folder.name
+    milestones = [int(m) for m in args.milestones.split(",")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        eval_file = Path(tmp) / f"wikitext2_raw_test_first{args.eval_chars}.txt"
+        eval_file.write_text(EVAL.read_text()[:args.eval_chars])
+        for name in names:
+            if any(r["conversion"] == conversion and r["variant"] == name and r["tokens"] == args.tokens
+                   for r in rows):
+                print(f"{name}: already in {args.out}", file=sys.stderr)
+                continue
+            row = {"conversion": conversion, **run_variant(folder, name, args.tokens, milestones, eval_file),
+                   "eval_file": eval_file.name}
+            rows.append(row)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps({k: row[k] for k in ("conversion", "variant", "curve")}), flush=True)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

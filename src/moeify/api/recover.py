@@ -1,0 +1,114 @@
+"""``recover``: a converted model distilled from its dense model for a budget of tokens
+(``moeify.training.recovery``), as the last stage of ``convert`` (``--set recover_tokens=N``) or for a saved
+conversion (``moeify recover RUN``). The record keeps what the conversion measured before the recovery
+(``pre_recovery``), beside the recovery's tokens, wall time, trainable parameters, loss curve and the
+perplexity after each milestone. Returns values, prints nothing."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from moeify.calibration.corpus import FileCorpus, read_corpus
+from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text, token_stream
+from moeify.evaluation.perplexity import perplexity, relative_change
+from moeify.evaluation.record import read_record
+from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
+from moeify.loading import load_model
+from moeify.moe.accounting import activated_parameters, tracking_routing
+from moeify.options import OptionError, build_config, require_work_dir_for_resume
+from moeify.training.recovery import RecoveryOptions, recover
+
+
+def recovery_config(options: dict[str, Any]) -> RecoveryOptions:
+    """The recovery's options from ``--set`` values (``recover_*`` keys only)."""
+    return build_config(RecoveryOptions, options)
+
+
+def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedModel, calib: TextSource | FileCorpus,
+                 options: RecoveryOptions, *, identity: dict[str, Any], eval_source: TextSource, seq_len: int,
+                 seed: int, device: str, work_dir: Path | None, cache_dir: Path | None = None,
+                 milestones: tuple[int, ...] = (), progress: bool = False) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """Recover ``model`` from the dense ``teacher`` on ``calib``; the perplexity on ``eval_source`` is measured
+    after each of ``milestones`` tokens below the budget. ``identity`` names the teacher for checkpoints and
+    caches. Returns (the recovered model, the record's ``recovery`` block)."""
+    require_work_dir_for_resume(options.recover_resume, work_dir)
+    teacher.eval().requires_grad_(False)
+    student = model  # LoRA adapters, while they train, sit inside this model
+
+    def evaluate(_tokens: int) -> dict[str, Any]:
+        ppl = perplexity(student, tokenizer, eval_source, seq_len)
+        return {"ppl": ppl.ppl, "nll": ppl.nll}
+
+    start = time.perf_counter()
+    model, summary = recover(model, teacher, token_stream(calib, tokenizer), options, seed=seed + 2,
+                             device=torch.device(device), identity={**identity, "text": calib.sha256},
+                             work_dir=work_dir, cache_dir=cache_dir,
+                             milestones=tuple(m for m in milestones if m < options.recover_tokens),
+                             on_milestone=evaluate, progress=progress)
+    return model, {**summary, "wall_s": time.perf_counter() - start, "options": vars(options),
+                   "calib": {"name": calib.name, "sha256": calib.sha256}}
+
+
+def _rereadable(entry: dict[str, str], embedded: str, given: Any, what: str) -> Any:
+    """The text a run was measured on when ``given`` is None: the embedded one it names, else an error."""
+    if given is not None:
+        return given
+    if read_text(embedded).sha256 == entry["sha256"]:
+        return embedded
+    raise OptionError(f"the run's {what} text was {entry['name']!r} (sha256 {entry['sha256'][:12]}...); moeify "
+                      f"keeps only its name: pass it again with --{what}")
+
+
+def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path | list[str | Path] | None = None,
+                eval: str | Path | None = None, teacher: str | Path | None = None, seed: int | None = None,
+                device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
+                measure_speed: bool = True,
+                work_dir: Path | None = None, milestones: tuple[int, ...] = (), progress: bool = False) -> Any:
+    """Recover the saved conversion in ``run`` (a folder ``moeify convert`` wrote) from its base model (or
+    ``teacher``); returns a ``ConversionResult`` whose record is the run's with the metrics, activated
+    parameters and speed measured again after the recovery against the dense model in this process, and
+    the run's own measurements kept under ``pre_recovery``. The options, the texts and the run are checked
+    before a weight is read."""
+    from moeify.api.convert import ConversionResult
+
+    run = Path(run)
+    record = read_record(run)
+    config = recovery_config(options)
+    if not config.enabled:
+        raise OptionError("recover needs a budget: --tokens N (recover_tokens) > 0")
+    calib_source = read_corpus(_rereadable(record["data"]["calib"], EMBEDDED_CALIB, calib, "calib"))
+    eval_source = read_text(_rereadable(record["data"]["eval"], EMBEDDED_EVAL, eval, "eval"))
+    teacher = teacher or record["model"]
+    seed = record["config"].get("seed", 0) if seed is None else seed
+    model, tokenizer = load_model(run, device, dtype)
+    config.check(model.config)
+    seq_len = eval_seq_len or record["metrics"]["eval"]["seq_len"]
+    dense, _ = load_model(teacher, device, next(model.parameters()).dtype)
+    dense_quality = perplexity(dense, tokenizer, eval_source, seq_len)
+    with tracking_routing(model):
+        before = perplexity(model, tokenizer, eval_source, seq_len)
+    active_before = activated_parameters(model, measured=True).as_dict()
+    model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity={"teacher": str(teacher)},
+                                eval_source=eval_source, seq_len=seq_len, seed=seed, device=device,
+                                work_dir=work_dir, milestones=milestones, progress=progress)
+    with tracking_routing(model):
+        after = perplexity(model, tokenizer, eval_source, seq_len)
+    change, stderr = relative_change(dense_quality, after)
+    new = copy.deepcopy(record)
+    new["pre_recovery"] = {"ppl": before.ppl, "eval": before.as_dict(), "active": active_before,
+                           "metrics": record["metrics"]}
+    new["recovery"] = block
+    new["metrics"] = {"dense_ppl": dense_quality.ppl, "ppl": after.ppl, "eval_tokens": after.tokens,
+                      "ppl_change": change, "ppl_change_stderr": stderr, "dense_eval": dense_quality.as_dict(),
+                      "eval": after.as_dict()}
+    new["active"] = activated_parameters(model, measured=True).as_dict()
+    new["data"]["eval"] = {"name": eval_source.name, "sha256": eval_source.sha256}
+    new["speed"] = None if not measure_speed else speed_record(
+        forward_speed(dense.eval(), *SPEED_SHAPE), forward_speed(model.eval(), *SPEED_SHAPE), *SPEED_SHAPE)
+    return ConversionResult(model, tokenizer, new)

@@ -1,0 +1,246 @@
+"""Recovery: a converted model distilled from its dense model for a budget of training tokens.
+
+Any conversion loses quality that a little training on the teacher's own outputs wins back; distillation
+gives every token the dense model's whole next-token distribution where the LM loss gives one label, so
+it is the standard recovery of a compressed model (ToMoE's own loss, the pruning literature's). It runs
+after a method's own, paper-specified training, with a budget in tokens, so that conversions can be
+compared at equal training compute (``moeify compare --recover-tokens``).
+
+The run: one pass over ``ceil(recover_tokens / seq_len)`` disjoint windows of the training text in a
+seeded order (further passes where the text holds fewer), ``recover_batch_size`` windows per AdamW step,
+a linear warm-up over ``recover_warmup`` steps and then a constant learning rate, so the model after n
+tokens of a longer run is the model a run of n tokens ends with (``recover`` evaluates those points of
+the curve on the way). The loss is (1 - s) KL(teacher || student) + s LM (``losses.distillation_loss``),
+over the whole vocabulary or the teacher's top-k tokens plus one bucket for the rest; the teacher runs
+alongside or is read from a top-k cache (``teacher.py``). What trains is a choice of parts
+(``parts.py``), their weights directly or through LoRA adapters merged afterwards, so the recovered model
+has its conversion's structure and exports wherever that did. bfloat16, checkpoints and resume, torchrun
+and FSDP are the shared loop's (``loop.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedConfig
+
+from moeify.arch.head import output_head
+from moeify.files import atomic_file
+from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+from moeify.training.checkpoint import latest_step
+from moeify.training.distributed import barrier, is_main
+from moeify.training.loop import Checkpointing, TrainPlan, WarmupConstant, epoch_windows, train
+from moeify.training.losses import distillation_loss
+from moeify.training.parts import PARTS, lora_targets, parameter_parts, parse_parts
+from moeify.training.teacher import LiveTeacher, TeacherCache, build_teacher_cache, cache_key
+
+Milestone = Callable[[int], dict[str, Any]]  # tokens trained so far -> what to record at that point
+CHECKPOINTS = "recovery_checkpoints"  # the recovery's checkpoint folder in the work folder
+
+
+@method_config
+class RecoveryOptions:
+    """The recovery stage's options (``--set recover_*=...`` on convert, ``moeify recover``'s ``--set``)."""
+
+    recover_tokens: int = option(0, "training tokens of the recovery after the method's own training (0: none)",
+                                 low=0)
+    recover_lr: float = option(1e-4, "AdamW learning rate of the trained parts (constant after the warm-up)",
+                               low=0.0, low_open=True)
+    recover_parts: str = option(",".join(PARTS), f"what trains, comma-separated: {', '.join(PARTS)} (embeddings "
+                                                 "and the output head stay frozen)")
+    recover_lora_rank: int = option(0, "0: the parts' weights train; r > 0: LoRA adapters of rank r on their "
+                                       "projections (experts, shared, attention), merged afterwards; routers and "
+                                       "norms train directly", low=0)
+    recover_lora_alpha: float = option(32.0, "LoRA alpha (scale alpha / r)", low=0.0, low_open=True)
+    recover_lm_share: float = option(0.0, "s: the loss is (1 - s) KL(teacher || student) + s LM (0: distillation "
+                                          "only, 1: the LM loss alone)", low=0.0, high=1.0)
+    recover_top_k: int = option(0, "teacher tokens kept per position: 0 the whole vocabulary; k > 0 the top k "
+                                   "plus one bucket for the rest (what a cache holds)", low=0)
+    recover_teacher: Literal["auto", "live", "cache"] = option(
+        "auto", "live: the dense model runs beside the student; cache: its top-k targets written once to the "
+                "work folder and read back (needs recover_top_k > 0); auto: cache where the windows repeat or a "
+                "cache of them exists, else live")
+    recover_seq_len: int | None = option(None, "training window (default: min(512, model context))", low=2)
+    recover_batch_size: int = option(4, "windows per optimizer step", low=1)
+    recover_grad_accum: int = option(1, "micro-batches per step (recover_batch_size must be a multiple)", low=1)
+    recover_warmup: int = option(0, "linear warm-up steps before the constant learning rate", low=0)
+    recover_weight_decay: float = option(0.0, "AdamW weight decay", low=0.0)
+    recover_checkpoint_every: int = option(25, "steps between checkpoints in the work folder (0: at the end only)",
+                                           low=0)
+    recover_resume: bool = option(False, "continue the recovery from the latest checkpoint in the work folder")
+    recover_recompute: bool = option(True, "activation checkpointing while training: each decoder layer's "
+                                           "activations are recomputed in the backward pass (far less memory, "
+                                           "about 1/3 more compute)")
+
+    def validate(self) -> None:
+        require_multiple("recover_batch_size", self.recover_batch_size, "recover_grad_accum", self.recover_grad_accum)
+        try:
+            parse_parts(self.recover_parts)
+        except ValueError as error:
+            raise OptionError(str(error)) from None
+        if self.recover_teacher == "cache" and not self.recover_top_k:
+            raise OptionError("recover_teacher=cache needs recover_top_k > 0 (a cache holds the top-k tokens)")
+
+    def check(self, model_config: PreTrainedConfig) -> None:
+        require_at_most("recover_seq_len", self.recover_seq_len, model_config.max_position_embeddings,
+                        "the model's context")
+        require_at_most("recover_top_k", self.recover_top_k, model_config.vocab_size - 1,
+                        "the vocabulary less one (the bucket of the rest)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.recover_tokens > 0
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return parse_parts(self.recover_parts)
+
+    def seq_len(self, model_config: PreTrainedConfig) -> int:
+        return self.recover_seq_len or min(512, model_config.max_position_embeddings)
+
+    def plan(self, seq_len: int, wrap: bool) -> TrainPlan:
+        samples = math.ceil(self.recover_tokens / seq_len)
+        return TrainPlan(steps=math.ceil(samples / self.recover_batch_size), batch_size=self.recover_batch_size,
+                         seq_len=seq_len, grad_accum=self.recover_grad_accum,
+                         checkpoint_every=self.recover_checkpoint_every,
+                         schedule=WarmupConstant(self.recover_warmup) if self.recover_warmup else None,
+                         recompute=self.recover_recompute, epoch_samples=samples, wrap=wrap)
+
+
+RECOVERY_KEYS = frozenset(f.name for f in dataclasses.fields(RecoveryOptions))
+
+
+def split_recovery_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the method's options, the recovery's) of one ``--set`` dictionary."""
+    return ({k: v for k, v in options.items() if k not in RECOVERY_KEYS},
+            {k: v for k, v in options.items() if k in RECOVERY_KEYS})
+
+
+@contextmanager
+def _only_trainable(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Inside the block exactly ``params`` of ``model`` need gradients; the flags come back after it."""
+    before = [(p, p.requires_grad) for p in model.parameters()]
+    chosen = {id(p) for p in params}
+    for p, _ in before:
+        p.requires_grad_(id(p) in chosen)
+    try:
+        yield
+    finally:
+        for p, flag in before:
+            p.requires_grad_(flag)
+
+
+def _teacher_mode(options: RecoveryOptions, repeats: bool, cache: Path | None) -> str:
+    if options.recover_teacher != "auto":
+        return options.recover_teacher
+    return "cache" if options.recover_top_k and (repeats or (cache is not None and cache.is_file())) else "live"
+
+
+class _Curve:
+    """The milestones evaluated so far, kept in the work folder so that a resumed run keeps them."""
+
+    def __init__(self, path: Path | None, resuming: bool) -> None:
+        self.path = path
+        self.points: list[dict[str, Any]] = []
+        if path is not None and resuming and path.is_file():
+            self.points = json.loads(path.read_text())
+
+    def add(self, point: dict[str, Any]) -> None:
+        self.points.append(point)
+        if self.path is not None and is_main():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.path) as tmp:
+                tmp.write_text(json.dumps(self.points, indent=1) + "\n")
+
+
+def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: RecoveryOptions, *, seed: int,
+            device: torch.device, identity: dict[str, Any], work_dir: Path | None = None,
+            cache_dir: Path | None = None, milestones: Sequence[int] = (), on_milestone: Milestone | None = None,
+            progress: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """Distil ``teacher`` into ``model`` (see the module docstring); returns (the recovered model, what to
+    record: tokens, steps, wall time, trainable parameters, the loss curve and the ``milestones`` evaluated
+    by ``on_milestone``).
+
+    ``identity``: names the run for its checkpoints and teacher cache (the model and the training text's
+    digest); ``work_dir`` holds checkpoints (None: none, no resume); ``cache_dir`` the teacher cache (default
+    ``work_dir``)."""
+    seq_len = options.seq_len(model.config)
+    slots = len(stream) // seq_len
+    plan = options.plan(seq_len, wrap=True)
+    repeats = plan.epoch_samples > slots
+    fingerprint = {"recovery": True, **{k: v for k, v in vars(options).items() if k not in (
+        "recover_tokens", "recover_resume", "recover_checkpoint_every", "recover_recompute", "recover_grad_accum",
+        "recover_teacher")}, "seq_len": seq_len, "seed": seed, **identity}
+    cache_dir = cache_dir or work_dir
+    cache = None if cache_dir is None or not options.recover_top_k else cache_dir / cache_key(
+        k=options.recover_top_k, seq_len=seq_len, seed=seed, **identity)
+    mode = _teacher_mode(options, repeats, cache)
+    if mode == "cache":
+        if cache is None:
+            raise OptionError("recover_teacher=cache needs a work folder for the cache (moeify keeps <out>.work)")
+        if is_main():
+            build_teacher_cache(teacher, epoch_windows(stream, seq_len, plan.epoch_samples, seed, wrap=True),
+                                options.recover_top_k, cache, batch_size=options.recover_batch_size, device=device,
+                                progress=progress)
+        barrier()
+        targets: Callable[[Tensor], tuple[Tensor, ...]] = TeacherCache(cache)
+    else:
+        targets = LiveTeacher(teacher, options.recover_top_k)
+    teacher_head = output_head(teacher)
+
+    parts = parameter_parts(model)
+    chosen = options.parts
+    direct = [p for part in chosen if options.recover_lora_rank == 0 or part in ("routers", "norms")
+              for p in parts[part].values()]
+    checkpointing = None if work_dir is None else Checkpointing(
+        work_dir / CHECKPOINTS, fingerprint, resume=options.recover_resume)
+    start = latest_step(checkpointing.folder) if checkpointing is not None and options.recover_resume else None
+    curve = _Curve(None if work_dir is None else work_dir / "recovery_curve.json", start is not None)
+    tokens_per_step = plan.batch_size * seq_len
+    total = plan.epoch_samples * seq_len
+    step = start or 0
+    pending = sorted(t for t in set(milestones) if step * tokens_per_step < t <= total)
+
+    def evaluate_milestones() -> None:
+        nonlocal step
+        step += 1
+        while pending and (step * tokens_per_step >= pending[0] or step == plan.steps):
+            network.eval()
+            tokens = pending.pop(0)
+            curve.add({"tokens": tokens, "steps": step, **(on_milestone(tokens) if on_milestone else {})})
+            network.train()
+
+    def loss(student: nn.Module, batch: Tensor) -> dict[str, Tensor]:
+        return distillation_loss(student, batch, targets(batch), lm_share=options.recover_lm_share,
+                                 teacher_head=teacher_head)
+
+    with _only_trainable(model, direct):
+        network = model
+        if options.recover_lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            network = get_peft_model(model, LoraConfig(r=options.recover_lora_rank,
+                                                       lora_alpha=options.recover_lora_alpha,
+                                                       target_modules=lora_targets(model, chosen)))
+            for p in direct:  # peft froze every base parameter
+                p.requires_grad_(True)
+        trained = direct + [p for n, p in network.named_parameters() if "lora_" in n]
+        optimizer = torch.optim.AdamW(trained, lr=options.recover_lr, weight_decay=options.recover_weight_decay)
+        log = train(network, optimizer, stream, plan, seed=seed, device=device, loss_fn=loss,
+                    checkpointing=checkpointing, after_step=evaluate_milestones, progress=progress,
+                    desc="recovery: distillation", network=model)
+        if options.recover_lora_rank:
+            model = network.merge_and_unload()
+    summary = {**log.summary(), "tokens": total, "seq_len": seq_len,
+               "batch_size": plan.batch_size, "passes": round(plan.epoch_samples / max(slots, 1), 3),
+               "teacher": mode, "parts": list(chosen), "curve": curve.points,
+               "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
+    return model.eval(), summary
