@@ -7,7 +7,10 @@ weights, whole-vocabulary or top-k distillation, distillation or the LM loss) re
 on WikiText-2 valid for ``--tokens`` tokens and is evaluated on the first ``--eval-chars`` characters of
 WikiText-2 raw test (never the training text), after each of ``--milestones``. Rows are appended to
 ``--out`` as JSON lines as they finish and a rerun skips the rows already there, so a long sweep can be
-continued; ``--markdown`` prints the table of what the file holds.
+continued; ``--markdown`` prints the table of what the file holds. The top-k variants share one teacher
+cache (``--models``/teacher_cache), built by the first; the timings were taken with glibc's dynamic mmap
+threshold (``MALLOC_MMAP_THRESHOLD_=4294967296``: the training loop's fixed 4 MiB one costs a third more time
+per step here, for less resident memory; ``offload/allocator.py``).
 
     python benchmarks/bench_recovery.py --method cmoe --variants lr1e-4,lr3e-4 [--tokens 51200]
     python benchmarks/bench_recovery.py --markdown
@@ -35,15 +38,13 @@ EVAL_SEQ_LEN = 2048
 
 # name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "lr3e-5": {"recover_lr": 3e-5},
-    "lr1e-4": {"recover_lr": 1e-4},
-    "lr3e-4": {"recover_lr": 3e-4},
-    "lr1e-3": {"recover_lr": 1e-3},
+    "top64_lr1e-4": {"recover_lr": 1e-4, "recover_top_k": 64},
     "top64_lr3e-4": {"recover_lr": 3e-4, "recover_top_k": 64},
+    "top64_lr1e-3": {"recover_lr": 1e-3, "recover_top_k": 64},
+    "full_lr3e-4": {"recover_lr": 3e-4},
+    "top64_lora8_lr1e-3": {"recover_lr": 1e-3, "recover_top_k": 64, "recover_lora_rank": 8},
+    "top64_mlp_lr3e-4": {"recover_lr": 3e-4, "recover_top_k": 64, "recover_parts": "routers,experts,shared,norms"},
     "lm_lr3e-4": {"recover_lr": 3e-4, "recover_lm_share": 1.0},
-    "mlp_only_lr3e-4": {"recover_lr": 3e-4, "recover_parts": "routers,experts,shared"},
-    "lora8_lr1e-3": {"recover_lr": 1e-3, "recover_lora_rank": 8},
-    "lora8_lr3e-3": {"recover_lr": 3e-3, "recover_lora_rank": 8},
 }
 
 
@@ -95,9 +96,10 @@ def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eva
         recovered, summary = recover(student, teacher, token_stream(source, tokenizer), options, seed=0,
                                      device=torch.device("cpu"), identity={"model": str(MODEL),
                                                                            "text": source.sha256},
-                                     work_dir=Path(work), milestones=milestones, on_milestone=ppl)
-    return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before,
-            "curve": summary["curve"], "seconds": summary["seconds"], "trainable_params": summary["trainable_params"],
+                                     work_dir=Path(work), cache_dir=folder.parent / "teacher_cache",
+                                     milestones=milestones, on_milestone=ppl)
+    return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before, "curve": summary["curve"],
+            "seconds": summary["seconds"], "teacher": summary["teacher"], "trainable_params": summary["trainable_params"],
             "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
 
 

@@ -16,6 +16,8 @@ largest phase plus what the process itself holds (Python, torch, transformers: m
   activations a step keeps (with recomputation: every decoder layer's input plus one layer's
   working set) and a chunk of logits; in float32 when every parameter trains (the model computes in
   float32 then), else in the working dtype.
+- ``recover`` (a recovery after the conversion): as ``train``, for the parts the recovery trains, plus
+  the dense teacher's weights and its log-probabilities beside the student's.
 - ``evaluate MoE``: as the dense pass, plus the packed copy of the routed experts an MoE layer holds at
   inference (``runtime.moe``: at most the converted layers' MLP weights).
 
@@ -163,16 +165,38 @@ def _teacher_logits(shape: ModelShape, positions: int) -> int:
     return min(positions, LOGIT_CHUNK) * shape.vocab * 8
 
 
+def _train_phase(shape: ModelShape, method: MethodMemory, b: int, written: int, mapped: bool) -> dict[str, int]:
+    """A training phase's parts: the weights, what trains (float32 gradients, AdamW moments and master
+    copies), the activations a step keeps and a chunk of logits."""
+    tokens = method.train_tokens
+    # A model whose every parameter trains computes in float32 (``training.precision``), as does one whose
+    # frozen weights are held in float32 while training; else it computes in its dtype.
+    upcast = method.frozen_in_float32 and b < 4
+    ab = 4 if method.trainable >= shape.params or upcast else b
+    per_layer = _layer_activations(shape, tokens, ab) + tokens * method.extra_train_activations
+    kept = shape.layers * tokens * shape.hidden * ab + per_layer if method.recompute else shape.layers * per_layer
+    trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
+    copy = trained if mapped or b < 4 else 0
+    held = {FROZEN_IN_FLOAT32: shape.params * 4} if upcast else {"weights": shape.params * b}
+    phase = {**held, "converted weights": written, "trained copy": copy, "gradients": trained,
+             "optimizer": 2 * trained, "activations": kept, "logits": _logits(shape, tokens, ab)}
+    if method.distillation:
+        phase["teacher log-probabilities"] = _teacher_logits(shape, tokens)
+    return phase
+
+
 def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
                 inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True, layer_by_layer: bool = False,
-                eval_tokens: int | None = None, shards: int = 1) -> MemoryPlan:
+                eval_tokens: int | None = None, shards: int = 1, recovery: MethodMemory | None = None) -> MemoryPlan:
     """The estimate of a conversion of ``shape`` in ``dtype`` (see the module docstring); ``inference_copy``:
     the converted layers hold a packed copy of their experts at inference (routed, disjoint experts);
     ``mapped``: the checkpoint stays memory-mapped beside what the conversion writes (CPU, safetensors);
     ``on_cpu``: the estimate is of the process's memory (else of the GPU's: the process's own not in it);
     ``layer_by_layer``: the model is held a decoder layer at a time (``moeify.offload``), its evaluation
     then keeps every one of the ``eval_tokens`` positions' hidden states (default: one batch of windows);
-    ``shards``: training sharded over that many processes (``training.sharding``, FSDP)."""
+    ``shards``: training sharded over that many processes (``training.sharding``, FSDP); ``recovery``: the
+    training part of a recovery after the conversion (``training.recovery``: a ``recover`` phase with the
+    dense teacher's weights beside the student's)."""
     if layer_by_layer:
         return _plan_layer_by_layer(shape, method, dtype, eval_seq_len, inference_copy, on_cpu,
                                     eval_tokens or EVAL_BATCH * eval_seq_len)
@@ -188,23 +212,12 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
                              "calibration hidden states": 2 * method.calib_tokens * shape.hidden * CALIB_BYTES,
                              "layer statistics": method.layer_statistics}
     if method.train_tokens:
-        tokens = method.train_tokens
-        # A model whose every parameter trains computes in float32 (``training.precision``), as does one whose
-        # frozen weights are held in float32 while training; else it computes in its dtype.
-        upcast = method.frozen_in_float32 and b < 4
-        ab = 4 if method.trainable >= shape.params or upcast else b
-        per_layer = _layer_activations(shape, tokens, ab) + tokens * method.extra_train_activations
-        kept = shape.layers * tokens * shape.hidden * ab + per_layer if method.recompute else shape.layers * per_layer
-        trained = method.trainable * 4  # float32: trained in place, or as the low-precision weights' masters
-        copy = trained if mapped or b < 4 else 0
-        held = {FROZEN_IN_FLOAT32: shape.params * 4} if upcast else {"weights": weights}
-        phases["train"] = {**held, "converted weights": written, "trained copy": copy,
-                           "gradients": trained, "optimizer": 2 * trained, "activations": kept,
-                           "logits": _logits(shape, tokens, ab)}
-        if method.distillation:
-            phases["train"]["teacher log-probabilities"] = _teacher_logits(shape, tokens)
+        phases["train"] = _train_phase(shape, method, b, written, mapped)
         if shards > 1 and method.trainable >= shape.params:
             phases.update(_sharded_training(shape, phases.pop("train"), shards))
+    if recovery is not None and recovery.train_tokens:
+        # the dense teacher beside the student (reloaded, not memory-mapped: the student's pages are its own)
+        phases["recover"] = {**_train_phase(shape, recovery, b, written, mapped), "teacher weights": weights}
     phases["evaluate MoE"] = {**evaluation, "converted weights": written,
                               "packed experts": shape.mlp_params * b if inference_copy else 0}
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,

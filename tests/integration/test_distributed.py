@@ -14,14 +14,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow  # three conversions with training per method (~15 s each)
+pytestmark = pytest.mark.slow  # three conversions with training per run (~15 s each)
 
-# A checkpoint every 2 steps: only the main process writes it, and both continue.
+# name -> (method, options); a checkpoint every 2 steps: only the main process writes it, and both continue.
 RUNS = {
-    "dsmoe": ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "analyses=false"],
-    "dense2moe": ["steps=3", "warmup=1", "batch_size=4", "seq_len=64", "checkpoint_every=2", "calib_samples=2"],
-    "tomoe": ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "attention=on"],
-    "cmoe": ["spec=S1A1E8", "finetune_samples=8", "finetune_batch_size=4", "finetune_seq_len=64", "calib_samples=2"],
+    "dsmoe": ("dsmoe", ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "analyses=false"]),
+    "dense2moe": ("dense2moe", ["steps=3", "warmup=1", "batch_size=4", "seq_len=64", "checkpoint_every=2",
+                                "calib_samples=2"]),
+    "tomoe": ("tomoe", ["steps=3", "batch_size=4", "seq_len=64", "checkpoint_every=2", "attention=on"]),
+    "cmoe": ("cmoe", ["spec=S1A1E8", "finetune_samples=8", "finetune_batch_size=4", "finetune_seq_len=64",
+                      "calib_samples=2"]),
+    "recovery": ("static_prune", ["calib_samples=2", "recover_tokens=768", "recover_seq_len=64",
+                                  "recover_batch_size=4", "recover_checkpoint_every=2"]),
 }
 
 
@@ -60,12 +64,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def convert(method: str, out, processes: int, fsdp: bool = False, *extra: str, program: list[str] | None = None,
+def convert(name: str, out, processes: int, fsdp: bool = False, *extra: str, program: list[str] | None = None,
             returncode: int = 0) -> None:
     launcher = [] if processes == 1 else [shutil.which("torchrun") or "torchrun", "--nproc_per_node",
                                           str(processes)]
     program = program or (["-m", "moeify"] if launcher else [sys.executable, "-m", "moeify"])
-    options = [arg for option in RUNS[method] for arg in ("--set", option)]
+    method, settings = RUNS[name]
+    options = [arg for option in settings for arg in ("--set", option)]
     command = [*launcher, *program, "convert", "--method", method, "--out", str(out), "--no-speed",
                *options, *(["--fsdp"] if fsdp else []), *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -73,11 +78,11 @@ def convert(method: str, out, processes: int, fsdp: bool = False, *extra: str, p
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
-@pytest.mark.parametrize("method", list(RUNS))
-def test_two_processes_train_to_the_weights_of_one(method, tmp_path):
-    convert(method, tmp_path / "one", 1)
-    convert(method, tmp_path / "two", 2)
-    convert(method, tmp_path / "sharded", 2, fsdp=True)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_processes_train_to_the_weights_of_one(name, tmp_path):
+    convert(name, tmp_path / "one", 1)
+    convert(name, tmp_path / "two", 2)
+    convert(name, tmp_path / "sharded", 2, fsdp=True)
     one = load_file(tmp_path / "one" / "model.safetensors")
     reference = json.loads((tmp_path / "one" / "record.json").read_text())
     for name, fsdp in (("two", False), ("sharded", True)):

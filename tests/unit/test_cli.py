@@ -28,8 +28,13 @@ def methods_markdown(capsys) -> str:
 
 
 def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsys):
-    sections = methods_markdown(capsys).split("### ")[1:]
+    from moeify.training.recovery import RecoveryOptions
+
+    *sections, recovery = methods_markdown(capsys).split("### ")[1:]
     assert [section.split("\n", 1)[0] for section in sections] == [f"`{method.name}`" for method in METHODS]
+    assert recovery.startswith("Recovery (every method)")
+    assert [row.split(" | ")[0][3:-1] for row in recovery.splitlines() if row.startswith("| `")] == \
+        [f.name for f in dataclasses.fields(RecoveryOptions)]
     for method, section in zip(METHODS, sections):
         assert method.paper in section and "| option | type | default | meaning |" in section
         rows = [line for line in section.splitlines() if line.startswith("| `")]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moeify.api.convert import convert, save
+from moeify.api.recover import recovery_config
 from moeify.arch import DecoderAdapter
 from moeify.files import MARKER, OutputExistsError, check_output_dir
 from moeify.loading import load_model
@@ -99,6 +100,9 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
     dense, _ = load_model(model, device, dtype)
     adapter = DecoderAdapter(dense)
     budget = {"recover_tokens": max(recover_tokens)} if recover_tokens else {}
+    recovery = dict(recovery or {})
+    if budget and len(methods) > 1 and recovery_config(recovery).recover_top_k:
+        recovery.setdefault("recover_teacher", "cache")  # one teacher pass for every method's recovery
     summaries = []
     for method in methods:
         attempts, how = matched_options(get_method(method), active, adapter)
@@ -114,7 +118,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
             asked = {**matched, **(options or {}).get(method, {})}
             continuing = _resume_flags(get_method(method), out / f"{method}.work") if resume else {}
             try:
-                result = convert(model, method, {**asked, **(recovery or {}), **budget, **continuing}, calib=calib,
+                result = convert(model, method, {**asked, **recovery, **budget, **continuing}, calib=calib,
                                  eval=eval,
                                  seed=seed, device=device, dtype=dtype, progress=progress,
                                  work_dir=out / f"{method}.work", recover_milestones=tuple(sorted(recover_tokens)),

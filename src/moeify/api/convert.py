@@ -120,7 +120,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     gguf = model_source(model).gguf_file is not None
     memory = method_plan(ModelShape.from_config(model_config, str(model or EMBEDDED_MODEL)), spec, config,
                          working_dtype(dtype, None if gguf else model_config), seq_len, device, gguf,
-                         layer_by_layer, len(eval_source.text) // CHARS_PER_TOKEN, world_size() if fsdp() else 1)
+                         layer_by_layer, len(eval_source.text) // CHARS_PER_TOKEN, world_size() if fsdp() else 1,
+                         recovery)
     if check_memory:
         check_fits(memory, device, spec.layer_by_layer and not getattr(config, "finetunes", False))
     dense, tokenizer = load_model(model, device, dtype, layer_by_layer)

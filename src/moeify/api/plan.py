@@ -12,7 +12,17 @@ import torch
 from moeify.loading import load_config, model_source, working_dtype
 from moeify.methods import Method, get_method
 from moeify.options import OptionError, build_config
-from moeify.planning import FROZEN_IN_FLOAT32, GIB, PRESETS, MemoryPlan, ModelShape, plan_memory, preset_shape
+from moeify.planning import (
+    FROZEN_IN_FLOAT32,
+    GIB,
+    PRESETS,
+    MemoryPlan,
+    MethodMemory,
+    ModelShape,
+    plan_memory,
+    preset_shape,
+)
+from moeify.training.recovery import RecoveryOptions, split_recovery_options
 
 
 def model_shape(model: str | Path | None) -> ModelShape:
@@ -30,25 +40,46 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows);
     ``shards``: per process of a training sharded over that many (``convert --fsdp`` under torchrun)."""
     spec = get_method(method)
-    config = build_config(spec.config_cls, options or {})
+    method_options, recovery_options = split_recovery_options(options or {})
+    config = build_config(spec.config_cls, method_options)
+    recovery = build_config(RecoveryOptions, recovery_options)
     shape = model_shape(model)
     default = torch.bfloat16 if str(model) in PRESETS else None
     work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default
     gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
     return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf,
-                       layer_by_layer, eval_tokens, shards)
+                       layer_by_layer, eval_tokens, shards, recovery)
 
 
 def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int, device: str,
                 gguf: bool, layer_by_layer: bool = False, eval_tokens: int | None = None,
-                shards: int = 1) -> MemoryPlan:
-    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device``; a
-    CPU conversion of a safetensors checkpoint (not ``gguf``, which is dequantised) keeps it memory-mapped."""
+                shards: int = 1, recovery: RecoveryOptions | None = None) -> MemoryPlan:
+    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device`` (and
+    recovering it, where ``recovery`` asks for tokens); a CPU conversion of a safetensors checkpoint (not
+    ``gguf``, which is dequantised) keeps it memory-mapped."""
     memory = spec.memory(shape, config, torch.finfo(dtype).bits // 8)
     on_cpu = torch.device(device).type == "cpu"
     return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy,
                        mapped=on_cpu and not gguf, on_cpu=on_cpu, layer_by_layer=layer_by_layer,
-                       eval_tokens=eval_tokens, shards=shards)
+                       eval_tokens=eval_tokens, shards=shards,
+                       recovery=None if recovery is None else recovery_memory(shape, recovery))
+
+
+def recovery_memory(shape: ModelShape, options: RecoveryOptions) -> MethodMemory | None:
+    """A recovery's training, for the planner: the decoder's parameters of the parts it trains (the routers'
+    are few and not counted; LoRA's own parameters, below 1 % of the model, neither), a micro-batch of its
+    windows and a distillation loss."""
+    if not options.enabled:
+        return None
+    parts = options.parts
+    per_layer = {"attention": shape.decoder_params - shape.mlp_params, "experts": shape.mlp_params,
+                 "shared": 0, "routers": 0, "norms": 0}  # the MLP's weights counted once, under experts
+    if "shared" in parts and "experts" not in parts:
+        per_layer["shared"] = shape.mlp_params
+    trainable = 0 if options.recover_lora_rank else sum(per_layer[part] for part in parts)
+    tokens = options.recover_batch_size // options.recover_grad_accum * options.seq_len(shape.config)
+    return MethodMemory(trainable=trainable, train_tokens=tokens, recompute=options.recover_recompute,
+                        distillation=True)
 
 
 def available_memory(device: str) -> int | None:
@@ -77,6 +108,9 @@ def check_fits(memory: MemoryPlan, device: str, layer_by_layer_possible: bool = 
         hints.append("--dtype bfloat16 (half the weights)")
     if phase == "convert":
         hints.append("fewer calibration windows (--set calib_samples=...) or a shorter --set seq_len")
+    elif phase == "recover":
+        hints.append("a smaller recovery micro-batch (--set recover_grad_accum=...), --set recover_recompute=true, "
+                     "or LoRA (--set recover_lora_rank=8)")
     elif phase == "train":
         hints.append("a smaller micro-batch (--set grad_accum=...) and --set recompute=true")
         if FROZEN_IN_FLOAT32 in memory.phases[phase]:

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "and the teacher are recover_* options (--set; `moeify methods` lists them, the same as "
                     "convert --set recover_*). Checkpoints go to <out>.work; resume with --set recover_resume=true. "
                     "Data-parallel: torchrun --nproc_per_node N -m moeify recover ...")
-    parser.add_argument("run", type=Path, help="a converted model folder (moeify convert --out)")
+    parser.add_argument("run_dir", type=Path, metavar="RUN", help="a converted model folder (moeify convert --out)")
     parser.add_argument("--tokens", type=int, required=True, help="training tokens of the recovery (recover_tokens)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
     parser.add_argument("--calib", action="append", default=None,
@@ -68,13 +68,13 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"recover takes recovery options (recover_*) only; got {', '.join(unknown)}")
     milestones = parse_milestones(args.milestones)
-    if args.run.resolve() == args.out.resolve():
+    if args.run_dir.resolve() == args.out.resolve():
         raise ValueError(f"--out {str(args.out)!r} is the run itself: write the recovered model to another folder")
     check_output_dir(args.out, args.overwrite)
     init_from_env(args.device)
     work = work_dir(args.out)
     with output_lock(args.out) if is_main() else contextlib.nullcontext():
-        result = recover_run(args.run, {**options, "recover_tokens": args.tokens}, calib=args.calib, eval=args.eval,
+        result = recover_run(args.run_dir, {**options, "recover_tokens": args.tokens}, calib=args.calib, eval=args.eval,
                              teacher=args.teacher, seed=args.seed, device=args.device, dtype=args.dtype,
                              eval_seq_len=args.seq_len, measure_speed=not args.no_speed, work_dir=work,
                              milestones=milestones, progress=is_main())
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         out = moeify.save(result, args.out, overwrite=args.overwrite)
         shutil.rmtree(work, ignore_errors=True)
-    print_table(f"moeify recover {args.run}", summary_rows(result.record))
+    print_table(f"moeify recover {args.run_dir}", summary_rows(result.record))
     for point in result.record["recovery"]["curve"]:
         print(f"  after {point['tokens']:,} tokens: perplexity {point['ppl']:.3f}")
     print(f"wrote {out}/ (model, tokenizer, record.json)")

@@ -129,19 +129,18 @@ class MoeMLP(nn.Module):
             self.stats_expert_tokens += dispatch.counts.cpu()
 
     def _per_expert_forward(self, x: Tensor, out: Tensor) -> Tensor:
-        """Training path: each routed expert's own modules on exactly its tokens, added to ``out``."""
+        """Training path: each routed expert's own modules on exactly its tokens, added to ``out``. The
+        dispatch is sorted by expert, so one gather lines up every expert's tokens as contiguous slices and
+        one scatter adds the weighted outputs back (per token in expert order, as a loop of adds would)."""
         dispatch = self.router(x)
         self._track(dispatch)
         scale = self.router.expert_scale
         weight = dispatch.weight * scale if scale != 1.0 else dispatch.weight
-        start = 0
-        for e, n in enumerate(dispatch.counts.tolist()):  # only routed experts run, on their tokens
-            if n:
-                rows = dispatch.token[start:start + n]
-                y = self._expert_output(e, x.index_select(0, rows)) * weight[start:start + n, None]
-                out = out.index_add(0, rows, y)
-                start += n
-        return out
+        slices = x.index_select(0, dispatch.token).split(dispatch.counts.tolist())  # (n_e, d) per expert
+        outputs = [self._expert_output(e, rows) for e, rows in enumerate(slices) if len(rows)]  # only routed ones
+        if not outputs:
+            return out
+        return out.index_add(0, dispatch.token, torch.cat(outputs) * weight[:, None])
 
     def _inference_path(self) -> tuple[Callable[[Tensor, Dispatch], Tensor], Callable[[Tensor], Tensor] | None] | None:
         """(routed output, shared output) in the packed layout, or None where the per-expert path runs."""

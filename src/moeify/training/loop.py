@@ -129,6 +129,7 @@ class Checkpointing:
     folder: Path
     fingerprint: dict[str, Any]
     resume: bool = False
+    resume_option: str = "resume"  # the option that asks for ``resume``, for the error that names it
 
 
 @dataclass
@@ -197,7 +198,7 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
         existing = latest_step(checkpointing.folder)
         if existing is not None:
             raise FileExistsError(f"{str(checkpointing.folder)!r} holds a checkpoint at step {existing}; continue it "
-                                  "with resume=true, or delete the folder to start again")
+                                  f"with {checkpointing.resume_option}=true, or delete the folder to start again")
         return 0, TrainLog()
     resumed = load_checkpoint(checkpointing.folder, model, optimizer, generator, checkpointing.fingerprint)
     precision.load_state(resumed.scaler)

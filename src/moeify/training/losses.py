@@ -75,29 +75,37 @@ def top_k_targets(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return top, ids, tail
 
 
-def _kl_and_lm(student_logp: Tensor, kl: Tensor, targets: Tensor) -> Tensor:
-    """(KL sum, next-token cross-entropy sum) of a chunk; targets of -100 (the last position) are not scored."""
-    lm = torch.nn.functional.nll_loss(student_logp, targets, ignore_index=-100, reduction="sum")
-    return torch.stack([kl, lm])
+def _weighted(student_logp: Tensor, kl: Callable[[], Tensor], targets: Tensor, w_kl: float, w_lm: float) -> Tensor:
+    """(w_kl KL + w_lm cross-entropy, KL sum, cross-entropy sum) of a chunk; a part of weight 0 is computed
+    without gradients (for the log only), so its backward costs nothing. Targets of -100 are not scored."""
+    with torch.set_grad_enabled(torch.is_grad_enabled() and w_kl > 0):
+        kl_sum = kl()
+    with torch.set_grad_enabled(torch.is_grad_enabled() and w_lm > 0):
+        lm_sum = F.nll_loss(student_logp, targets, ignore_index=-100, reduction="sum")
+    return torch.stack([w_kl * kl_sum + w_lm * lm_sum, kl_sum.detach(), lm_sum.detach()])
 
 
-def _chunk_full_kl(teacher_head: nn.Module, head: nn.Module, student: Tensor, teacher: Tensor,
-                   targets: Tensor) -> Tensor:
+def _chunk_full_kl(teacher_head: nn.Module, w_kl: float, w_lm: float, head: nn.Module, student: Tensor,
+                   teacher: Tensor, targets: Tensor) -> Tensor:
     with torch.no_grad():
         t = torch.log_softmax(teacher_head(teacher).float(), dim=-1)
     s = torch.log_softmax(head(student).float(), dim=-1)
-    return _kl_and_lm(s, F.kl_div(s, t, log_target=True, reduction="sum"), targets)
+    return _weighted(s, lambda: F.kl_div(s, t, log_target=True, reduction="sum"), targets, w_kl, w_lm)
 
 
-def _chunk_top_k_kl(head: nn.Module, student: Tensor, top: Tensor, ids: Tensor, tail: Tensor,
-                    targets: Tensor) -> Tensor:
+def _chunk_top_k_kl(w_kl: float, w_lm: float, head: nn.Module, student: Tensor, top: Tensor, ids: Tensor,
+                    tail: Tensor, targets: Tensor) -> Tensor:
     """KL of the bucketed distributions: the teacher's k tokens one by one, every other token one bucket
     (exact for that coarser distribution, so it is 0 only where the student matches the teacher on it)."""
     s = torch.log_softmax(head(student).float(), dim=-1)
-    s_top = s.gather(-1, ids)
-    s_tail = s.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
-    kl = (top.exp() * (top - s_top)).sum() + torch.xlogy(tail.exp(), tail.exp()).sum() - (tail.exp() * s_tail).sum()
-    return _kl_and_lm(s, kl, targets)
+
+    def kl() -> Tensor:
+        s_top = s.gather(-1, ids)
+        s_tail = s.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
+        p_tail = tail.exp()
+        return (top.exp() * (top - s_top)).sum() + torch.xlogy(p_tail, p_tail).sum() - (p_tail * s_tail).sum()
+
+    return _weighted(s, kl, targets, w_kl, w_lm)
 
 
 def next_token_targets(batch: Tensor) -> Tensor:
@@ -116,10 +124,10 @@ def distillation_loss(model: nn.Module, batch: Tensor, teacher: tuple[Tensor, ..
     hidden = final_hidden_states(model, batch).flatten(0, 1)
     targets = next_token_targets(batch)
     flat = [t.flatten(0, 1) for t in teacher]
+    tokens, predicted = hidden.shape[0], batch.shape[0] * (batch.shape[1] - 1)
+    weights = ((1 - lm_share) / tokens, lm_share / predicted)
     if len(teacher) == 1:
-        sums = chunked(partial(_chunk_full_kl, teacher_head), output_head(model), hidden, flat[0], targets)
+        sums = chunked(partial(_chunk_full_kl, teacher_head, *weights), output_head(model), hidden, flat[0], targets)
     else:
-        sums = chunked(_chunk_top_k_kl, output_head(model), hidden, *flat, targets)
-    kl = sums[0] / hidden.shape[0]
-    lm = sums[1] / (batch.shape[0] * (batch.shape[1] - 1))
-    return {"loss": (1 - lm_share) * kl + lm_share * lm, "kl": kl, "lm": lm}
+        sums = chunked(partial(_chunk_top_k_kl, *weights), output_head(model), hidden, *flat, targets)
+    return {"loss": sums[0], "kl": sums[1] / tokens, "lm": sums[2] / predicted}

@@ -201,7 +201,7 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
     direct = [p for part in chosen if options.recover_lora_rank == 0 or part in ("routers", "norms")
               for p in parts[part].values()]
     checkpointing = None if work_dir is None else Checkpointing(
-        work_dir / CHECKPOINTS, fingerprint, resume=options.recover_resume)
+        work_dir / CHECKPOINTS, fingerprint, resume=options.recover_resume, resume_option="recover_resume")
     start = latest_step(checkpointing.folder) if checkpointing is not None and options.recover_resume else None
     curve = _Curve(None if work_dir is None else work_dir / "recovery_curve.json", start is not None)
     tokens_per_step = plan.batch_size * seq_len

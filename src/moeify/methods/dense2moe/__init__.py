@@ -68,7 +68,7 @@ from __future__ import annotations
 
 from moeify.methods.base import Method
 from moeify.methods.dense2moe.analysis import similarity_analysis
-from moeify.methods.dense2moe.config import Dense2moeConfig
+from moeify.methods.dense2moe.config import Dense2moeConfig, match_budget
 from moeify.methods.dense2moe.convert import convert
 
 DENSE2MOE = Method(
@@ -79,7 +79,7 @@ DENSE2MOE = Method(
             "of the kept layer (softmax top-k), fine-tune",
     config_cls=Dense2moeConfig,
     convert=convert,
-    unmatched="it removes whole decoder layers; its APR follows from the layers it prunes",
+    match_budget=match_budget,
     model_analysis=similarity_analysis,
     paper_ratio="model",
 )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from transformers import PreTrainedConfig
 
+from moeify.arch import DecoderAdapter
 from moeify.methods.dense2moe.build import span_sizes
 from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
 
@@ -73,3 +74,13 @@ class Dense2moeConfig:
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(1024, model_config.max_position_embeddings)
+
+
+def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
+    """At top-1 a removed layer takes its attention and one MLP's worth of compute with it (its MLP lives on as
+    an expert run instead of, not beside, the kept one), so APR = (L - k) / L: remove k = round(L (1 - apr))
+    layers, in one span (§2.3), else, where no span that long is similar enough (delta), in two or three."""
+    layers = adapter.num_layers
+    k = min(max(1, round(layers * (1 - apr))), layers - 1)
+    tries = [{"prune_layers": k}] + [{"prune_layers": k, "spans": spans} for spans in (2, 3) if spans <= k]
+    return tries, f"prune_layers={k} of {layers} (APR (L - k) / L = {(layers - k) / layers:.3f})"
