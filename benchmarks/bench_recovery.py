@@ -93,11 +93,10 @@ def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eva
 
     before = ppl(0)
     with tempfile.TemporaryDirectory() as work:
-        recovered, summary = recover(student, teacher, token_stream(source, tokenizer), options, seed=0,
-                                     device=torch.device("cpu"), identity={"model": str(MODEL),
-                                                                           "text": source.sha256},
-                                     work_dir=Path(work), cache_dir=folder.parent / "teacher_cache",
-                                     milestones=milestones, on_milestone=ppl)
+        _, summary = recover(student, teacher, token_stream(source, tokenizer), options, seed=0,
+                             device=torch.device("cpu"), identity={"model": str(MODEL), "text": source.sha256},
+                             work_dir=Path(work), cache_dir=folder.parent / "teacher_cache",
+                             milestones=milestones, on_milestone=ppl)
     return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before, "curve": summary["curve"],
             "seconds": summary["seconds"], "teacher": summary["teacher"], "trainable_params": summary["trainable_params"],
             "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}

@@ -119,7 +119,7 @@ def test_lora_recovery_is_merged_into_the_weights(make_ctx, stream, tokenizer, e
     dense, model = converted("cmoe", make_ctx)
     structure = [type(m) for m in model.modules()]
     before = held_out_kl(model, dense, tokenizer, eval_text)
-    recovered, summary = run(model, dense, stream, recover_lora_rank=4, recover_lr=3e-3, recover_tokens=2048)
+    recovered, _ = run(model, dense, stream, recover_lora_rank=4, recover_lr=3e-3, recover_tokens=2048)
     assert [type(m) for m in recovered.modules()] == structure  # no adapter left
     assert not any("lora" in n for n, _ in recovered.named_parameters())
     assert held_out_kl(recovered, dense, tokenizer, eval_text) < before
@@ -306,3 +306,27 @@ def test_compare_recovers_every_method_with_one_budget_and_draws_the_curve(tmp_p
     assert (out / "report" / "recovery.png").is_file()
     assert main(["compare", "--methods", "cmoe", "--out", str(tmp_path / "c2"), "--set", "spec=S1A1E8"]) == 2
     assert "name the method (METHOD.spec)" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_recovery_with_its_teacher():
+    from moeify.api.plan import plan
+
+    memory = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000})
+    recover_phase = memory.phases["recover"]
+    assert recover_phase["teacher weights"] == recover_phase["weights"] == pytest.approx(6.74e9 * 2, rel=0.01)
+    assert recover_phase["gradients"] > 0.9 * 6.5e9 * 4  # every decoder weight trains, float32 gradients
+    assert recover_phase["teacher log-probabilities"] > 0
+    lora = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_lora_rank": 8}).phases["recover"]
+    assert lora["gradients"] == 0 and "recover" not in plan("llama-2-7b", "cmoe").phases
+    mlp = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_parts": "experts"}).phases["recover"]
+    assert 0.6 < mlp["gradients"] / recover_phase["gradients"] < 0.7  # LLaMA-2-7B's MLP: 2/3 of each layer
+
+
+def test_a_bfloat16_conversion_recovers_in_float32_masters_and_stays_bfloat16(make_ctx, stream):
+    dense, model = converted("static_prune", make_ctx)
+    reference, _ = run(copy.deepcopy(model), dense, stream)
+    low, _ = run(model.to(torch.bfloat16), dense.to(torch.bfloat16), stream)
+    assert {p.dtype for p in low.parameters()} == {torch.bfloat16}
+    gaps = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in
+            zip(low.parameters(), reference.parameters())]
+    assert max(gaps) < 0.05

@@ -86,7 +86,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
                    eval: str | None = None, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                    progress: bool = False, overwrite: bool = False, resume: bool = False,
                    options: dict[str, dict[str, Any]] | None = None, recovery: dict[str, Any] | None = None,
-                   recover_tokens: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+                   recover_tokens: tuple[int, ...] = (), eval_seq_len: int | None = None) -> list[dict[str, Any]]:
     """Convert with every method into ``out/<method>`` and write ``out/report``; returns one summary per
     method (its folder, the options used, how they were matched, or the error that stopped it). With
     ``resume``, methods whose run in ``out`` is complete are not run again. ``options``: a method's own
@@ -119,8 +119,8 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
             continuing = _resume_flags(get_method(method), out / f"{method}.work") if resume else {}
             try:
                 result = convert(model, method, {**asked, **recovery, **budget, **continuing}, calib=calib,
-                                 eval=eval,
-                                 seed=seed, device=device, dtype=dtype, progress=progress,
+                                 eval=eval, seed=seed, device=device, dtype=dtype, eval_seq_len=eval_seq_len,
+                                 progress=progress,
                                  work_dir=out / f"{method}.work", recover_milestones=tuple(sorted(recover_tokens)),
                                  teacher_cache=out / "teacher_cache")
             except ValueError as error:  # e.g. a budget this method cannot reach with these options

@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "embedded)")
     parser.add_argument("--eval", default=None, help="evaluation text (default: embedded, disjoint)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=None, help="evaluation window (default: model context)")
     add_device_arguments(parser)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="METHOD.KEY=VALUE: an option of one method, beside (and over) its matched ones (e.g. "
@@ -46,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from moeify.api.compare import split_options
     from moeify.api.recover import recovery_config
     from moeify.cli.recover_cmd import parse_milestones
-    from moeify.options import parse_assignments
     from moeify.files import output_lock
     from moeify.methods import get_method
+    from moeify.options import parse_assignments
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in methods:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
                                    seed=args.seed, device=args.device, dtype=args.dtype,
                                    progress=True, overwrite=args.overwrite, resume=args.resume, options=per_method,
-                                   recovery=recovery, recover_tokens=budgets)
+                                   recovery=recovery, recover_tokens=budgets, eval_seq_len=args.seq_len)
         (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     for s in summaries:
         print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")

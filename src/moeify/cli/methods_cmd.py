@@ -51,20 +51,22 @@ def _value(default: Any) -> str:
     return str(default).lower() if isinstance(default, bool) else str(default)
 
 
+def _option_table(config_cls: type) -> list[str]:
+    """A markdown table of a config's ``--set`` options."""
+    return ["| option | type | default | meaning |", "|---|---|---|---|"] + [
+        f"| `{name}` | `{_cell(kind)}` | `{_cell(_value(default))}` | {_cell(help_text)} |"
+        for name, kind, default, help_text in describe(config_cls)]
+
+
 def markdown() -> str:
-    """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options."""
+    """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options; then the
+    recovery's options, which every method takes."""
     lines = []
     for method in METHODS:
         summary = method.summary[:1].upper() + method.summary[1:]
         lines += [f"### `{method.name}`", "", f"Paper: {method.paper}.", "", f"{summary}.", "",
-                  "| option | type | default | meaning |", "|---|---|---|---|"]
-        lines += [f"| `{name}` | `{_cell(kind)}` | `{_cell(_value(default))}` | {_cell(help_text)} |"
-                  for name, kind, default, help_text in describe(method.config_cls)]
-        lines.append("")
-    lines += ["### Recovery (every method)", "", "A distillation from the dense model after the conversion: "
-              "`convert --set recover_tokens=N` or `moeify recover RUN --tokens N`.", "",
-              "| option | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{name}` | `{_cell(kind)}` | `{_cell(_value(default))}` | {_cell(help_text)} |"
-              for name, kind, default, help_text in describe(RecoveryOptions)]
-    lines.append("")
+                  *_option_table(method.config_cls), ""]
+    lines += ["### Recovery (every method)", "",
+              ("A distillation from the dense model after the conversion: `convert --set recover_tokens=N` or "
+               "`moeify recover RUN --tokens N`."), "", *_option_table(RecoveryOptions), ""]
     return "\n".join(lines)

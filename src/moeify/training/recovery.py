@@ -138,27 +138,60 @@ def _only_trainable(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterato
             p.requires_grad_(flag)
 
 
-def _teacher_mode(options: RecoveryOptions, repeats: bool, cache: Path | None) -> str:
-    if options.recover_teacher != "auto":
-        return options.recover_teacher
-    return "cache" if options.recover_top_k and (repeats or (cache is not None and cache.is_file())) else "live"
+def _teacher(teacher: nn.Module, stream: Tensor, options: RecoveryOptions, plan: TrainPlan, *, seed: int,
+             identity: dict[str, Any], cache_dir: Path | None, device: torch.device,
+             progress: bool) -> tuple[Callable[[Tensor], tuple[Tensor, ...]], str]:
+    """The teacher's targets of a batch, and how they come: ``live`` (the teacher runs) or ``cache`` (its top-k
+    targets of every window of ``plan``, built once by the main process). ``auto`` takes the cache where the
+    windows repeat or a cache of them exists: only then does it save teacher passes."""
+    slots = len(stream) // plan.seq_len
+    cache = None if cache_dir is None or not options.recover_top_k else cache_dir / cache_key(
+        k=options.recover_top_k, seq_len=plan.seq_len, seed=seed, **identity)
+    mode = options.recover_teacher
+    if mode == "auto":
+        reused = plan.epoch_samples > slots or (cache is not None and cache.is_file())
+        mode = "cache" if options.recover_top_k and reused else "live"
+    if mode == "live":
+        return LiveTeacher(teacher, options.recover_top_k), mode
+    if cache is None:
+        raise OptionError("recover_teacher=cache needs a work folder for the cache (moeify keeps <out>.work)")
+    if is_main():
+        windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed, wrap=True)
+        build_teacher_cache(teacher, windows, options.recover_top_k, cache, batch_size=plan.batch_size,
+                            device=device, progress=progress)
+    barrier()
+    return TeacherCache(cache), mode
 
 
-class _Curve:
-    """The milestones evaluated so far, kept in the work folder so that a resumed run keeps them."""
+class _Milestones:
+    """The training loop's ``after_step``: after the step that reaches each milestone (in tokens), the
+    model is evaluated (``on_milestone``) and the point kept in the work folder (``curve``), so that a
+    resumed run keeps the points before its checkpoint."""
 
-    def __init__(self, path: Path | None, resuming: bool) -> None:
-        self.path = path
+    def __init__(self, milestones: Sequence[int], on_milestone: Milestone | None, plan: TrainPlan,
+                 start: int | None, path: Path | None) -> None:
+        self.path, self.on_milestone, self.plan = path, on_milestone, plan
+        self.step = start or 0
+        self.tokens_per_step = plan.batch_size * plan.seq_len
+        total = plan.epoch_samples * plan.seq_len
+        self.pending = sorted(t for t in set(milestones) if self.step * self.tokens_per_step < t <= total)
         self.points: list[dict[str, Any]] = []
-        if path is not None and resuming and path.is_file():
+        if path is not None and start is not None and path.is_file():
             self.points = json.loads(path.read_text())
+        self.network: nn.Module | None = None  # the model as it trains (evaluated in eval mode)
 
-    def add(self, point: dict[str, Any]) -> None:
-        self.points.append(point)
-        if self.path is not None and is_main():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_file(self.path) as tmp:
-                tmp.write_text(json.dumps(self.points, indent=1) + "\n")
+    def __call__(self) -> None:
+        self.step += 1
+        while self.pending and (self.step * self.tokens_per_step >= self.pending[0] or self.step == self.plan.steps):
+            tokens = self.pending.pop(0)
+            self.network.eval()
+            self.points.append({"tokens": tokens, "steps": self.step,
+                                **(self.on_milestone(tokens) if self.on_milestone else {})})
+            self.network.train()
+            if self.path is not None and is_main():
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_file(self.path) as tmp:
+                    tmp.write_text(json.dumps(self.points, indent=1) + "\n")
 
 
 def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: RecoveryOptions, *, seed: int,
@@ -173,29 +206,13 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
     digest); ``work_dir`` holds checkpoints (None: none, no resume); ``cache_dir`` the teacher cache (default
     ``work_dir``)."""
     seq_len = options.seq_len(model.config)
-    slots = len(stream) // seq_len
     plan = options.plan(seq_len, wrap=True)
-    repeats = plan.epoch_samples > slots
     fingerprint = {"recovery": True, **{k: v for k, v in vars(options).items() if k not in (
         "recover_tokens", "recover_resume", "recover_checkpoint_every", "recover_recompute", "recover_grad_accum",
         "recover_teacher")}, "seq_len": seq_len, "seed": seed, **identity}
-    cache_dir = cache_dir or work_dir
-    cache = None if cache_dir is None or not options.recover_top_k else cache_dir / cache_key(
-        k=options.recover_top_k, seq_len=seq_len, seed=seed, **identity)
-    mode = _teacher_mode(options, repeats, cache)
-    if mode == "cache":
-        if cache is None:
-            raise OptionError("recover_teacher=cache needs a work folder for the cache (moeify keeps <out>.work)")
-        if is_main():
-            build_teacher_cache(teacher, epoch_windows(stream, seq_len, plan.epoch_samples, seed, wrap=True),
-                                options.recover_top_k, cache, batch_size=options.recover_batch_size, device=device,
-                                progress=progress)
-        barrier()
-        targets: Callable[[Tensor], tuple[Tensor, ...]] = TeacherCache(cache)
-    else:
-        targets = LiveTeacher(teacher, options.recover_top_k)
+    targets, mode = _teacher(teacher, stream, options, plan, seed=seed, identity=identity,
+                             cache_dir=cache_dir or work_dir, device=device, progress=progress)
     teacher_head = output_head(teacher)
-
     parts = parameter_parts(model)
     chosen = options.parts
     direct = [p for part in chosen if options.recover_lora_rank == 0 or part in ("routers", "norms")
@@ -203,20 +220,8 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
     checkpointing = None if work_dir is None else Checkpointing(
         work_dir / CHECKPOINTS, fingerprint, resume=options.recover_resume, resume_option="recover_resume")
     start = latest_step(checkpointing.folder) if checkpointing is not None and options.recover_resume else None
-    curve = _Curve(None if work_dir is None else work_dir / "recovery_curve.json", start is not None)
-    tokens_per_step = plan.batch_size * seq_len
-    total = plan.epoch_samples * seq_len
-    step = start or 0
-    pending = sorted(t for t in set(milestones) if step * tokens_per_step < t <= total)
-
-    def evaluate_milestones() -> None:
-        nonlocal step
-        step += 1
-        while pending and (step * tokens_per_step >= pending[0] or step == plan.steps):
-            network.eval()
-            tokens = pending.pop(0)
-            curve.add({"tokens": tokens, "steps": step, **(on_milestone(tokens) if on_milestone else {})})
-            network.train()
+    milestones_hook = _Milestones(milestones, on_milestone, plan, start,
+                                  None if work_dir is None else work_dir / "recovery_curve.json")
 
     def loss(student: nn.Module, batch: Tensor) -> dict[str, Tensor]:
         return distillation_loss(student, batch, targets(batch), lm_share=options.recover_lm_share,
@@ -234,13 +239,14 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
                 p.requires_grad_(True)
         trained = direct + [p for n, p in network.named_parameters() if "lora_" in n]
         optimizer = torch.optim.AdamW(trained, lr=options.recover_lr, weight_decay=options.recover_weight_decay)
+        milestones_hook.network = network
         log = train(network, optimizer, stream, plan, seed=seed, device=device, loss_fn=loss,
-                    checkpointing=checkpointing, after_step=evaluate_milestones, progress=progress,
+                    checkpointing=checkpointing, after_step=milestones_hook, progress=progress,
                     desc="recovery: distillation", network=model)
         if options.recover_lora_rank:
             model = network.merge_and_unload()
-    summary = {**log.summary(), "tokens": total, "seq_len": seq_len,
-               "batch_size": plan.batch_size, "passes": round(plan.epoch_samples / max(slots, 1), 3),
-               "teacher": mode, "parts": list(chosen), "curve": curve.points,
+    summary = {**log.summary(), "tokens": plan.epoch_samples * seq_len, "seq_len": seq_len,
+               "batch_size": plan.batch_size, "passes": round(plan.epoch_samples / (len(stream) // seq_len), 3),
+               "teacher": mode, "parts": list(chosen), "curve": milestones_hook.points,
                "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
     return model.eval(), summary
