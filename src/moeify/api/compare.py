@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import shutil
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moeify.api.convert import convert, save
-from moeify.api.recover import recovery_config
+from moeify.api.recover import prepare_teacher_cache, recovery_config, recovery_identity
+from moeify.calibration.corpus import read_corpus
+from moeify.calibration.data import EMBEDDED_CALIB
 from moeify.arch import DecoderAdapter
 from moeify.files import MARKER, OutputExistsError, check_output_dir
 from moeify.loading import load_model
@@ -81,56 +89,94 @@ def split_options(pairs: dict[str, Any], methods: list[str]) -> tuple[dict[str, 
     return per_method, shared
 
 
+@dataclass(frozen=True)
+class MethodRun:
+    """What converting one method of a comparison needs (picklable: it may run in a worker process)."""
+
+    method: str
+    attempts: list[dict[str, Any]]
+    matched: str
+    settings: dict[str, Any]  # convert's keyword arguments shared by every method
+    options: dict[str, Any]  # options beside (and over) the matched ones: the method's own, then the recovery's
+    recovery: dict[str, Any]
+    out: Path
+    resume: bool
+
+
+def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
+    """Convert (and recover) one method into ``out/<method>``, trying its option sets in order; its summary."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    summary: dict[str, Any] = {"method": run.method, "matched": run.matched}
+    folder, work = run.out / run.method, run.out / f"{run.method}.work"
+    if run.resume and _completed(folder):
+        record = json.loads((folder / "record.json").read_text())
+        run_settings = ("seed", "device", "dtype")
+        summary.update(options={k: v for k, v in record["config"].items() if k not in run_settings},
+                       folder=str(folder), resumed=True)
+        return summary
+    for matched in run.attempts:
+        asked = {**matched, **run.options}
+        continuing = _resume_flags(get_method(run.method), work) if run.resume else {}
+        try:
+            result = convert(method=run.method, options={**asked, **run.recovery, **continuing}, work_dir=work,
+                             **run.settings)
+        except ValueError as error:  # e.g. a budget this method cannot reach with these options
+            summary["error"] = str(error)
+            continue
+        summary.update(options=asked, folder=str(save(result, folder, overwrite=True)))
+        summary.pop("error", None)
+        shutil.rmtree(work, ignore_errors=True)
+        break
+    return summary
+
+
 def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *,
                    calib: str | list[str] | None = None,
                    eval: str | None = None, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                    progress: bool = False, overwrite: bool = False, resume: bool = False,
                    options: dict[str, dict[str, Any]] | None = None, recovery: dict[str, Any] | None = None,
-                   recover_tokens: tuple[int, ...] = (), eval_seq_len: int | None = None) -> list[dict[str, Any]]:
+                   recover_tokens: tuple[int, ...] = (), eval_seq_len: int | None = None,
+                   jobs: int = 1) -> list[dict[str, Any]]:
     """Convert with every method into ``out/<method>`` and write ``out/report``; returns one summary per
     method (its folder, the options used, how they were matched, or the error that stopped it). With
     ``resume``, methods whose run in ``out`` is complete are not run again. ``options``: a method's own
     options beside (and over) the matched ones. ``recover_tokens``: recover every conversion for the
     largest of these budgets (``recovery``: the recovery's other options), its perplexity measured after
-    each smaller one; the methods share one teacher cache (``out/teacher_cache``) where the recovery
-    distils top-k targets."""
+    each smaller one; where the recovery distils top-k targets, their cache (``out/teacher_cache``) is built
+    once, first, for every method. ``jobs``: methods converted at a time, each in its own process with an
+    equal share of the CPU threads (on a CPU, training steps keep about one core busy each)."""
     from moeify.report.build import write_report
 
     prepare_output(out, overwrite=overwrite, resume=resume)
-    dense, _ = load_model(model, device, dtype)
+    dense, tokenizer = load_model(model, device, dtype)
     adapter = DecoderAdapter(dense)
-    budget = {"recover_tokens": max(recover_tokens)} if recover_tokens else {}
     recovery = dict(recovery or {})
-    if budget and len(methods) > 1 and recovery_config(recovery).recover_top_k:
-        recovery.setdefault("recover_teacher", "cache")  # one teacher pass for every method's recovery
-    summaries = []
+    settings = {"model": model, "calib": calib, "eval": eval, "seed": seed, "device": device, "dtype": dtype,
+                "eval_seq_len": eval_seq_len, "progress": progress and jobs == 1,
+                "recover_milestones": tuple(sorted(recover_tokens)), "teacher_cache": out / "teacher_cache"}
+    if recover_tokens:
+        recovery["recover_tokens"] = max(recover_tokens)
+        config = recovery_config(recovery)
+        if config.recover_top_k and len(methods) > 1 and config.recover_teacher in ("auto", "cache"):
+            recovery["recover_teacher"] = "cache"  # one teacher pass for every method's recovery
+            prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,
+                                  identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
+                                  device=device, progress=progress)
+    runs = []
     for method in methods:
         attempts, how = matched_options(get_method(method), active, adapter)
-        summary: dict[str, Any] = {"method": method, "matched": how}
-        if resume and _completed(out / method):
-            record = json.loads((out / method / "record.json").read_text())
-            run_settings = ("seed", "device", "dtype")
-            summary.update(options={k: v for k, v in record["config"].items() if k not in run_settings},
-                           folder=str(out / method), resumed=True)
-            summaries.append(summary)
-            continue
-        for matched in attempts:
-            asked = {**matched, **(options or {}).get(method, {})}
-            continuing = _resume_flags(get_method(method), out / f"{method}.work") if resume else {}
-            try:
-                result = convert(model, method, {**asked, **recovery, **budget, **continuing}, calib=calib,
-                                 eval=eval, seed=seed, device=device, dtype=dtype, eval_seq_len=eval_seq_len,
-                                 progress=progress,
-                                 work_dir=out / f"{method}.work", recover_milestones=tuple(sorted(recover_tokens)),
-                                 teacher_cache=out / "teacher_cache")
-            except ValueError as error:  # e.g. a budget this method cannot reach with these options
-                summary["error"] = str(error)
-                continue
-            summary.update(options=asked, folder=str(save(result, out / method, overwrite=True)))
-            summary.pop("error", None)
-            shutil.rmtree(out / f"{method}.work", ignore_errors=True)
-            break
-        summaries.append(summary)
+        runs.append(MethodRun(method, attempts, how, settings, (options or {}).get(method, {}), recovery, out,
+                              resume))
+    del dense
+    if jobs == 1:
+        summaries = [_run_method(run) for run in runs]
+    else:
+        threads = max(1, torch.get_num_threads() // jobs)
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            summaries = list(pool.map(partial(_run_method, threads=threads), runs))
     done = [Path(s["folder"]) for s in summaries if "folder" in s]
     if done:
         write_report(done, out / "report", overwrite=True)

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeify.api.plan import check_fits, method_plan
-from moeify.api.recover import recovery_config, run_recovery
+from moeify.api.recover import recovery_config, recovery_identity, run_recovery
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
@@ -147,7 +147,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         pre = {"ppl": before.ppl, "eval": before.as_dict(), "active": activated_parameters(moe, measured=True).as_dict()}
         teacher, _ = load_model(model, device, dtype)
         moe, recovered = run_recovery(moe, tokenizer, teacher, calib_source, recovery,
-                                      identity={"teacher": str(model or EMBEDDED_MODEL)}, eval_source=eval_source,
+                                      identity=recovery_identity(model), eval_source=eval_source,
                                       seq_len=seq_len, seed=seed, device=device, work_dir=ctx.work_dir,
                                       cache_dir=None if teacher_cache is None else Path(teacher_cache),
                                       milestones=recover_milestones, progress=progress)

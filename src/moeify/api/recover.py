@@ -7,6 +7,7 @@ perplexity after each milestone. Returns values, prints nothing."""
 from __future__ import annotations
 
 import copy
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,20 @@ from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, r
 from moeify.evaluation.perplexity import perplexity, relative_change
 from moeify.evaluation.record import read_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
-from moeify.loading import load_model
-from moeify.moe.accounting import activated_parameters, tracking_routing
+from moeify.api.plan import check_fits, recovery_memory
+from moeify.loading import EMBEDDED_MODEL, load_config, load_model, working_dtype
+from moeify.methods import get_method
+from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
-from moeify.training.recovery import RecoveryOptions, recover
+from moeify.planning import GIB, MethodMemory, ModelShape, plan_memory
+from moeify.training.recovery import RecoveryOptions, recover, teacher_cache
+
+SEED_OFFSET = 2  # the recovery's windows are drawn apart from the method's own training (seed + 1)
+
+
+def recovery_identity(teacher: str | Path | None) -> dict[str, Any]:
+    """What names a recovery's teacher in its checkpoints' fingerprint and its cache's key."""
+    return {"teacher": str(teacher or EMBEDDED_MODEL)}
 
 
 def recovery_config(options: dict[str, Any]) -> RecoveryOptions:
@@ -46,13 +57,24 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
         return {"ppl": ppl.ppl, "nll": ppl.nll}
 
     start = time.perf_counter()
-    model, summary = recover(model, teacher, token_stream(calib, tokenizer), options, seed=seed + 2,
+    model, summary = recover(model, teacher, token_stream(calib, tokenizer), options, seed=seed + SEED_OFFSET,
                              device=torch.device(device), identity={**identity, "text": calib.sha256},
                              work_dir=work_dir, cache_dir=cache_dir,
                              milestones=tuple(m for m in milestones if m < options.recover_tokens),
                              on_milestone=evaluate, progress=progress)
     return model, {**summary, "wall_s": time.perf_counter() - start, "options": vars(options),
                    "calib": {"name": calib.name, "sha256": calib.sha256}}
+
+
+def prepare_teacher_cache(teacher: PreTrainedModel, tokenizer: Any, calib: TextSource | FileCorpus,
+                          options: RecoveryOptions, *, identity: dict[str, Any], seed: int, cache_dir: Path,
+                          device: str, progress: bool = False) -> Path:
+    """Build, before any recovery runs, the top-k teacher cache that ``run_recovery`` with these arguments
+    reads (``moeify compare`` does, so that methods recovered side by side share one teacher pass)."""
+    seq_len = options.seq_len(teacher.config)
+    return teacher_cache(teacher.eval(), token_stream(calib, tokenizer), options, options.plan(seq_len, wrap=True),
+                         seed=seed + SEED_OFFSET, identity={**identity, "text": calib.sha256}, cache_dir=cache_dir,
+                         device=torch.device(device), progress=progress)
 
 
 def _rereadable(entry: dict[str, str], embedded: str, given: Any, what: str) -> Any:
@@ -86,15 +108,21 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     eval_source = read_text(_rereadable(record["data"]["eval"], EMBEDDED_EVAL, eval, "eval"))
     teacher = teacher or record["model"]
     seed = record["config"].get("seed", 0) if seed is None else seed
-    model, tokenizer = load_model(run, device, dtype)
-    config.check(model.config)
     seq_len = eval_seq_len or record["metrics"]["eval"]["seq_len"]
+    base = load_config(teacher)
+    config.check(base)
+    memory = plan_memory(ModelShape.from_config(base, str(teacher)), MethodMemory(),
+                         working_dtype(dtype or record["config"].get("dtype"), None), seq_len,
+                         on_cpu=torch.device(device).type == "cpu", mapped=False,
+                         recovery=recovery_memory(ModelShape.from_config(base, str(teacher)), config))
+    check_fits(memory, device)
+    model, tokenizer = load_model(run, device, dtype)
     dense, _ = load_model(teacher, device, next(model.parameters()).dtype)
     dense_quality = perplexity(dense, tokenizer, eval_source, seq_len)
     with tracking_routing(model):
         before = perplexity(model, tokenizer, eval_source, seq_len)
     active_before = activated_parameters(model, measured=True).as_dict()
-    model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity={"teacher": str(teacher)},
+    model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity=recovery_identity(teacher),
                                 eval_source=eval_source, seq_len=seq_len, seed=seed, device=device,
                                 work_dir=work_dir, milestones=milestones, progress=progress)
     with tracking_routing(model):
@@ -107,7 +135,13 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     new["metrics"] = {"dense_ppl": dense_quality.ppl, "ppl": after.ppl, "eval_tokens": after.tokens,
                       "ppl_change": change, "ppl_change_stderr": stderr, "dense_eval": dense_quality.as_dict(),
                       "eval": after.as_dict()}
-    new["active"] = activated_parameters(model, measured=True).as_dict()
+    measured = activated_parameters(model, measured=True)
+    new["active"] = measured.as_dict()
+    new["paper_ratio"] = paper_ratio(model, measured, get_method(record["method"]).paper_ratio)
+    new["memory"] = {"plan_gib": round(memory.peak / GIB, 2), "plan_phase": memory.peak_phase,
+                     "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                     "peak_device_gib": round(torch.cuda.max_memory_allocated() / GIB, 2)
+                     if torch.device(device).type == "cuda" else None}
     new["data"]["eval"] = {"name": eval_source.name, "sha256": eval_source.sha256}
     new["speed"] = None if not measure_speed else speed_record(
         forward_speed(dense.eval(), *SPEED_SHAPE), forward_speed(model.eval(), *SPEED_SHAPE), *SPEED_SHAPE)

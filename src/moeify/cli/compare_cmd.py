@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="recover every conversion by distillation from the dense model for the largest of "
                              "these budgets (training tokens), the perplexity measured after each (the curve of "
                              "report/recovery.png); the same budget for every method")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="methods converted at a time, each in its own process with an equal share of the CPU "
+                             "threads (default 1; on a CPU a training step keeps about one core busy, so 2 on 2 "
+                             "cores nearly halves a comparison with recovery)")
     parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs are "
                                                               "kept, the others run")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         get_method(name)  # unknown names fail before any work
     if not 0 < args.active <= 1:
         raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs={args.jobs} is out of range; allowed: >= 1")
     per_method, recovery = split_options(parse_assignments(args.set), methods)
     budgets = parse_milestones(args.recover_tokens)
     if recovery and not budgets:
@@ -65,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
                                    seed=args.seed, device=args.device, dtype=args.dtype,
                                    progress=True, overwrite=args.overwrite, resume=args.resume, options=per_method,
-                                   recovery=recovery, recover_tokens=budgets, eval_seq_len=args.seq_len)
+                                   recovery=recovery, recover_tokens=budgets, eval_seq_len=args.seq_len,
+                                   jobs=args.jobs)
         (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     for s in summaries:
         print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")

@@ -138,29 +138,38 @@ def _only_trainable(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterato
             p.requires_grad_(flag)
 
 
+def teacher_cache(teacher: nn.Module, stream: Tensor, options: RecoveryOptions, plan: TrainPlan, *, seed: int,
+                  identity: dict[str, Any], cache_dir: Path, device: torch.device, progress: bool) -> Path:
+    """The top-k teacher cache of every window ``plan`` trains on (built by the main process where it does
+    not exist yet; the others wait for it). Its name follows from what it holds, so runs that distil the
+    same windows from the same teacher share it (``moeify compare`` builds it once for every method)."""
+    path = cache_dir / cache_key(k=options.recover_top_k, seq_len=plan.seq_len, seed=seed, **identity)
+    if is_main():
+        windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed, wrap=True)
+        build_teacher_cache(teacher, windows, options.recover_top_k, path, batch_size=plan.batch_size,
+                            device=device, progress=progress)
+    barrier()
+    return path
+
+
 def _teacher(teacher: nn.Module, stream: Tensor, options: RecoveryOptions, plan: TrainPlan, *, seed: int,
              identity: dict[str, Any], cache_dir: Path | None, device: torch.device,
              progress: bool) -> tuple[Callable[[Tensor], tuple[Tensor, ...]], str]:
     """The teacher's targets of a batch, and how they come: ``live`` (the teacher runs) or ``cache`` (its top-k
-    targets of every window of ``plan``, built once by the main process). ``auto`` takes the cache where the
-    windows repeat or a cache of them exists: only then does it save teacher passes."""
-    slots = len(stream) // plan.seq_len
-    cache = None if cache_dir is None or not options.recover_top_k else cache_dir / cache_key(
-        k=options.recover_top_k, seq_len=plan.seq_len, seed=seed, **identity)
+    targets read back, ``teacher_cache``). ``auto`` takes the cache where the windows repeat or a cache of
+    them exists: only then does it save teacher passes."""
     mode = options.recover_teacher
     if mode == "auto":
-        reused = plan.epoch_samples > slots or (cache is not None and cache.is_file())
-        mode = "cache" if options.recover_top_k and reused else "live"
+        exists = cache_dir is not None and options.recover_top_k and (cache_dir / cache_key(
+            k=options.recover_top_k, seq_len=plan.seq_len, seed=seed, **identity)).is_file()
+        repeats = plan.epoch_samples > len(stream) // plan.seq_len
+        mode = "cache" if options.recover_top_k and (repeats or exists) else "live"
     if mode == "live":
         return LiveTeacher(teacher, options.recover_top_k), mode
-    if cache is None:
+    if cache_dir is None:
         raise OptionError("recover_teacher=cache needs a work folder for the cache (moeify keeps <out>.work)")
-    if is_main():
-        windows = epoch_windows(stream, plan.seq_len, plan.epoch_samples, seed, wrap=True)
-        build_teacher_cache(teacher, windows, options.recover_top_k, cache, batch_size=plan.batch_size,
-                            device=device, progress=progress)
-    barrier()
-    return TeacherCache(cache), mode
+    return TeacherCache(teacher_cache(teacher, stream, options, plan, seed=seed, identity=identity,
+                                      cache_dir=cache_dir, device=device, progress=progress)), mode
 
 
 class _Milestones:
