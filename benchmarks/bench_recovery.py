@@ -4,8 +4,12 @@
 A conversion at APR 0.5 (``--method``, matched by the method's budget matcher, as ``moeify compare`` does)
 is made once and kept in ``--models``; each variant (``VARIANTS``: learning rate, what trains, LoRA or the
 weights, whole-vocabulary or top-k distillation, distillation or the LM loss) recovers a fresh copy of it
-on WikiText-2 valid for ``--tokens`` tokens and is evaluated on the first ``--eval-chars`` characters of
-WikiText-2 raw test (never the training text), after each of ``--milestones``. Rows are appended to
+on WikiText-2 valid for ``--tokens`` tokens. The choice between variants is made on the next-token loss of
+the last ``HELD_OUT_STEPS`` steps (one pass over the text: each window is unseen when its loss is taken,
+so this is held-out text that never reaches the table's evaluation), the same quantity whatever the loss
+trained; the perplexity on ``--eval-chars`` characters of WikiText-2 raw test from ``EVAL_START`` (apart
+from the first 100,000 that ``bench_real.py`` and the compare table evaluate on) after each of
+``--milestones`` is shown beside it. Rows are appended to
 ``--out`` as JSON lines as they finish and a rerun skips the rows already there, so a long sweep can be
 continued; ``--markdown`` prints the table of what the file holds. The top-k variants share one teacher
 cache (``--models``/teacher_cache), built by the first; the timings were taken with glibc's dynamic mmap
@@ -35,6 +39,8 @@ EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 OUT = Path(__file__).resolve().parent / "results" / "bench_recovery.jsonl"
 MODELS = Path(__file__).resolve().parent / "results" / "models"
 EVAL_SEQ_LEN = 2048
+EVAL_START = 500_000  # the evaluation slice starts here: apart from bench_real's and compare's first 100,000
+HELD_OUT_STEPS = 6  # the choice's criterion: the mean next-token loss of the last steps' windows, each unseen
 
 # name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -97,18 +103,20 @@ def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eva
                              device=torch.device("cpu"), identity={"model": str(MODEL), "text": source.sha256},
                              work_dir=Path(work), cache_dir=folder.parent / "teacher_cache",
                              milestones=milestones, on_milestone=ppl)
+    held_out = summary["lm"][-HELD_OUT_STEPS:]
     return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before, "curve": summary["curve"],
             "seconds": summary["seconds"], "teacher": summary["teacher"], "trainable_params": summary["trainable_params"],
-            "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
+            "held_out_lm": sum(held_out) / len(held_out), "losses": summary["losses"], "kl": summary["kl"],
+            "lm": summary["lm"]}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| conversion | variant | tokens | PPL before | PPL after each milestone | s | trainable |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| conversion | variant | tokens | held-out next-token loss | PPL before | PPL after each milestone | s "
+             "| trainable |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         curve = " / ".join(f"{p['ppl']:.2f} ({p['tokens'] // 1000}k)" for p in r["curve"])
-        lines.append(f"| {r['conversion']} | {r['variant']} | {r['tokens']:,} | {r['before']['ppl']:.2f} | {curve} | "
-                     f"{r['seconds']:.0f} | {r['trainable_params']:,} |")
+        lines.append(f"| {r['conversion']} | {r['variant']} | {r['tokens']:,} | {r['held_out_lm']:.4f} | "
+                     f"{r['before']['ppl']:.2f} | {curve} | {r['seconds']:.0f} | {r['trainable_params']:,} |")
     return "\n".join(lines)
 
 
@@ -137,8 +145,8 @@ def main() -> None:
     milestones = [int(m) for m in args.milestones.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        eval_file = Path(tmp) / f"wikitext2_raw_test_first{args.eval_chars}.txt"
-        eval_file.write_text(EVAL.read_text()[:args.eval_chars])
+        eval_file = Path(tmp) / f"wikitext2_raw_test_{EVAL_START}_{EVAL_START + args.eval_chars}.txt"
+        eval_file.write_text(EVAL.read_text()[EVAL_START:EVAL_START + args.eval_chars])
         for name in names:
             if any(r["conversion"] == conversion and r["variant"] == name and r["tokens"] == args.tokens
                    for r in rows):

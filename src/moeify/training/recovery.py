@@ -254,7 +254,8 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
                     desc="recovery: distillation", network=model)
         if options.recover_lora_rank:
             model = network.merge_and_unload()
-    summary = {**log.summary(), "tokens": plan.epoch_samples * seq_len, "seq_len": seq_len,
+    summary = {**log.summary(), **{name: [round(v, 5) for v in values] for name, values in log.parts.items()},
+               "tokens": plan.epoch_samples * seq_len, "seq_len": seq_len,
                "batch_size": plan.batch_size, "passes": round(plan.epoch_samples / (len(stream) // seq_len), 3),
                "teacher": mode, "parts": list(chosen), "curve": milestones_hook.points,
                "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
