@@ -147,7 +147,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
     largest of these budgets (``recovery``: the recovery's other options), its perplexity measured after
     each smaller one; where the recovery distils top-k targets, their cache (``out/teacher_cache``) is built
     once, first, for every method. ``jobs``: methods converted at a time, each in its own process with an
-    equal share of the CPU threads (on a CPU, training steps keep about one core busy each)."""
+    equal share of the CPU threads."""
     from moeify.report.build import write_report
 
     prepare_output(out, overwrite=overwrite, resume=resume)

@@ -38,8 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "report/recovery.png); the same budget for every method")
     parser.add_argument("--jobs", type=int, default=1,
                         help="methods converted at a time, each in its own process with an equal share of the CPU "
-                             "threads (default 1; on a CPU a training step keeps about one core busy, so 2 on 2 "
-                             "cores nearly halves a comparison with recovery)")
+                             "threads (default 1)")
     parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs are "
                                                               "kept, the others run")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")

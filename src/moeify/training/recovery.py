@@ -52,7 +52,8 @@ class RecoveryOptions:
 
     recover_tokens: int = option(0, "training tokens of the recovery after the method's own training (0: none)",
                                  low=0)
-    recover_lr: float = option(1e-4, "AdamW learning rate of the trained parts (constant after the warm-up)",
+    recover_lr: float = option(3e-4, "AdamW learning rate of the trained parts (constant after the warm-up); 3e-4: "
+                                     "below 1e-3 in held-out KL on SmolLM2 (benchmarks/bench_recovery.py)",
                                low=0.0, low_open=True)
     recover_parts: str = option(",".join(PARTS), f"what trains, comma-separated: {', '.join(PARTS)} (embeddings "
                                                  "and the output head stay frozen)")
@@ -62,8 +63,9 @@ class RecoveryOptions:
     recover_lora_alpha: float = option(32.0, "LoRA alpha (scale alpha / r)", low=0.0, low_open=True)
     recover_lm_share: float = option(0.0, "s: the loss is (1 - s) KL(teacher || student) + s LM (0: distillation "
                                           "only, 1: the LM loss alone)", low=0.0, high=1.0)
-    recover_top_k: int = option(0, "teacher tokens kept per position: 0 the whole vocabulary; k > 0 the top k "
-                                   "plus one bucket for the rest (what a cache holds)", low=0)
+    recover_top_k: int = option(64, "teacher tokens kept per position: the top k plus one bucket for the rest (what "
+                                    "a cache holds: no teacher pass, no teacher logits per step); 0: the whole "
+                                    "vocabulary, the teacher run alongside", low=0)
     recover_teacher: Literal["auto", "live", "cache"] = option(
         "auto", "live: the dense model runs beside the student; cache: its top-k targets written once to the "
                 "work folder and read back (needs recover_top_k > 0); auto: cache where the windows repeat or a "

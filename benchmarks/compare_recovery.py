@@ -1,0 +1,113 @@
+"""Every method at APR 0.5 recovered with the same budget: one ``moeify compare`` run on SmolLM2-135M-Instruct
+(the GGUF in ../shared/assets), its rows kept in ``benchmarks/results/compare_recovery.jsonl``.
+
+The run: ``moeify compare MODEL --active 0.5 --recover-tokens 50000,100000,200000`` with the calibration and
+recovery text WikiText-2 valid and the evaluation text bench_real's (the first 100,000 characters of
+WikiText-2 raw test, 2048-token windows), the methods'
+own training at a CPU budget (``METHOD_OPTIONS``) and the recovery at moeify's defaults (``RECOVERY``: none
+given). Each method's record gives its perplexity before the recovery and after each budget, its APR
+measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
+``--markdown`` prints the table of what the results file holds and copies the run's curve next to it.
+
+    python benchmarks/compare_recovery.py [--out benchmarks/results/models/compare_apr0.5] [--resume]
+    python benchmarks/compare_recovery.py --collect --out DIR   # the rows of a finished (or resumed) run
+    python benchmarks/compare_recovery.py --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ASSETS = HERE.parents[1] / "shared" / "assets"
+MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
+EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
+EVAL_CHARS = 100_000
+RESULTS = HERE / "results" / "compare_recovery.jsonl"
+CURVE = HERE / "results" / "compare_recovery.png"
+OUT = HERE / "results" / "models" / "compare_apr0.5"
+METHODS = ("cmoe", "more", "static_prune", "teal", "tomoe", "dense2moe", "random_split")
+BUDGETS = (50_000, 100_000, 200_000)
+# the methods' own training at a CPU budget (their defaults are GPU-sized), and MoRE's budget at the measured
+# APR: its matcher's nominal 0.5 (uniform routing) measures 0.558 on this model
+METHOD_OPTIONS = {"tomoe.steps": "250", "dense2moe.steps": "30", "dense2moe.seq_len": "256",
+                  "more.target_pr": "0.56"}
+RECOVERY: dict[str, str] = {}
+
+
+def command(out: Path, extra: list[str]) -> list[str]:
+    eval_file = out.parent / f"wikitext2_raw_test_first{EVAL_CHARS}.txt"
+    eval_file.parent.mkdir(parents=True, exist_ok=True)
+    eval_file.write_text(EVAL.read_text()[:EVAL_CHARS])
+    sets = [arg for key, value in {**METHOD_OPTIONS, **RECOVERY}.items() for arg in ("--set", f"{key}={value}")]
+    return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(METHODS), "--active", "0.5",
+            "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
+            "--recover-tokens", ",".join(map(str, BUDGETS)), *sets, *extra]
+
+
+def collect(out: Path) -> list[dict[str, Any]]:
+    """One row per method of the run in ``out`` (its compare.json and records)."""
+    rows = []
+    for summary in json.loads((out / "compare.json").read_text()):
+        row: dict[str, Any] = {"method": summary["method"], "matched": summary["matched"],
+                               "options": summary.get("options"), "error": summary.get("error")}
+        if "folder" in summary:
+            record = json.loads((Path(summary["folder"]) / "record.json").read_text())
+            recovery = record["recovery"]
+            row.update(apr=record["active"]["apr"], dense_ppl=record["metrics"]["dense_ppl"],
+                       ppl_before=record["pre_recovery"]["ppl"], ppl=record["metrics"]["ppl"],
+                       curve=[(0, record["pre_recovery"]["ppl"])] + [(p["tokens"], p["ppl"]) for p in recovery["curve"]]
+                       + [(recovery["tokens"], record["metrics"]["ppl"])],
+                       speedup=record["speed"]["speedup"] if record.get("speed") else None,
+                       convert_s=record["timings"]["convert_s"], recover_s=recovery["wall_s"],
+                       trainable_params=recovery["trainable_params"], recovery_options=recovery["options"],
+                       eval=record["data"]["eval"], versions=record["versions"])
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    budgets = [t for t, _ in next((r["curve"] for r in rows if "curve" in r), [])]
+    head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
+    lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up | convert s | recovery s |",
+             "|---|---|---|" + "---|" * (len(budgets) - 1) + "---|---|---|---|"]
+    for r in sorted((r for r in rows if "curve" in r), key=lambda r: r["ppl"]):
+        after = " | ".join(f"{ppl:.2f}" for _, ppl in r["curve"][1:])
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        lines.append(f"| {r['method']} | {r['apr']:.3f} | {r['ppl_before']:.2f} | {after} | "
+                     f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
+    lines += [f"| {r['method']} | failed: {r['error']} |" for r in rows if "curve" not in r]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
+    parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown([json.loads(line) for line in RESULTS.read_text().splitlines()]))
+        return
+    if not args.collect:
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**32))}
+        done = subprocess.run(command(args.out, ["--resume"] if args.resume else []), env=env)
+        if done.returncode:
+            sys.exit(done.returncode)
+    rows = collect(args.out)
+    RESULTS.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    shutil.copyfile(args.out / "report" / "recovery.png", CURVE)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
