@@ -175,7 +175,7 @@ def test_an_interrupted_recovery_resumes_to_the_uninterrupted_weights(make_ctx, 
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"recover_parts": "experts,gates"}, "unknown gates"),
-    ({"recover_teacher": "cache"}, "needs recover_top_k > 0"),
+    ({"recover_teacher": "cache", "recover_top_k": 0}, "needs recover_top_k > 0"),
     ({"recover_batch_size": 6, "recover_grad_accum": 4}, "must be a multiple of"),
     ({"recover_lm_share": 1.5}, "out of range"),
 ])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import resource
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from transformers import PreTrainedModel
 
 from moeify.api.plan import check_fits, method_plan
 from moeify.api.recover import recovery_config, recovery_identity, run_recovery
+from moeify.api.result import ConversionResult
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
@@ -34,20 +34,6 @@ from moeify.training.distributed import fsdp, world_size
 from moeify.training.recovery import RecoveryOptions, split_recovery_options
 
 CHARS_PER_TOKEN = 3  # for the memory plan's count of evaluation tokens: English BPE averages 4 or more
-
-
-@dataclass
-class ConversionResult:
-    """The converted model, its record, and ``artifacts``: extra files (name -> bytes, e.g. PNG plots)
-    that ``save`` writes next to the model."""
-
-    model: PreTrainedModel
-    tokenizer: Any
-    record: dict[str, Any]
-    warnings: list[str] = field(default_factory=list)
-    artifacts: dict[str, bytes] = field(default_factory=dict)
-    layer_files: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # layer by layer: the
-    # converted layers' files (the model reads them), removed with the result
 
 
 def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:

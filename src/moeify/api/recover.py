@@ -21,6 +21,7 @@ from moeify.evaluation.perplexity import perplexity, relative_change
 from moeify.evaluation.record import read_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.api.plan import check_fits, recovery_memory
+from moeify.api.result import ConversionResult
 from moeify.loading import EMBEDDED_MODEL, load_config, load_model, working_dtype
 from moeify.methods import get_method
 from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
@@ -91,14 +92,13 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
                 eval: str | Path | None = None, teacher: str | Path | None = None, seed: int | None = None,
                 device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
                 measure_speed: bool = True,
-                work_dir: Path | None = None, milestones: tuple[int, ...] = (), progress: bool = False) -> Any:
+                work_dir: Path | None = None, milestones: tuple[int, ...] = (),
+                progress: bool = False) -> ConversionResult:
     """Recover the saved conversion in ``run`` (a folder ``moeify convert`` wrote) from its base model (or
     ``teacher``); returns a ``ConversionResult`` whose record is the run's with the metrics, activated
     parameters and speed measured again after the recovery against the dense model in this process, and
     the run's own measurements kept under ``pre_recovery``. The options, the texts and the run are checked
     before a weight is read."""
-    from moeify.api.convert import ConversionResult
-
     run = Path(run)
     record = read_record(run)
     config = recovery_config(options)

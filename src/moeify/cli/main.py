@@ -60,7 +60,7 @@ def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
     if last is None:
         return "; no training checkpoint was written, nothing to resume"
     given = parse_assignments(getattr(args, "set", None) or [])
-    flags = [] if args.command == "recover" else ["resume"]  # a recovery follows the method's finished training
+    flags = [] if getattr(args, "command", None) == "recover" else ["resume"]  # a recovery follows a finished training
     if recovery is not None:
         flags.append("recover_resume")
     missing = [f"{flag}=true" for flag in flags if not parse_bool(flag, given.get(flag, "false"))]

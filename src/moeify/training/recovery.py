@@ -158,14 +158,14 @@ def _teacher(teacher: nn.Module, stream: Tensor, options: RecoveryOptions, plan:
              identity: dict[str, Any], cache_dir: Path | None, device: torch.device,
              progress: bool) -> tuple[Callable[[Tensor], tuple[Tensor, ...]], str]:
     """The teacher's targets of a batch, and how they come: ``live`` (the teacher runs) or ``cache`` (its top-k
-    targets read back, ``teacher_cache``). ``auto`` takes the cache where the windows repeat or a cache of
-    them exists: only then does it save teacher passes."""
+    targets read back, ``teacher_cache``). ``auto`` takes the cache, where there is a folder for it, when the
+    windows repeat or a cache of them exists: only then does it save teacher passes."""
     mode = options.recover_teacher
     if mode == "auto":
         exists = cache_dir is not None and options.recover_top_k and (cache_dir / cache_key(
             k=options.recover_top_k, seq_len=plan.seq_len, seed=seed, **identity)).is_file()
         repeats = plan.epoch_samples > len(stream) // plan.seq_len
-        mode = "cache" if options.recover_top_k and (repeats or exists) else "live"
+        mode = "cache" if options.recover_top_k and cache_dir is not None and (repeats or exists) else "live"
     if mode == "live":
         return LiveTeacher(teacher, options.recover_top_k), mode
     if cache_dir is None:
