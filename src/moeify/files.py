@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,3 +141,42 @@ def atomic_file(path: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _inputs(inputs: Iterable[str | Path | None]) -> list[Path]:
+    """The inputs that are local paths (hub names and ``embedded:`` names have none), resolved."""
+    return [Path(item).resolve() for item in inputs if item is not None and Path(item).exists()]
+
+
+def check_not_an_input(out: Path, inputs: Iterable[str | Path | None], flag: str = "--out") -> None:
+    """Refuse, before any work, an output that is one of the command's inputs, holds one or lies inside
+    one: writing it would replace or change what the command reads (``--overwrite`` included)."""
+    target = Path(out).resolve()
+    for source in _inputs(inputs):
+        if target == source or source.is_relative_to(target) or target.is_relative_to(source):
+            where = "is" if target == source else "holds" if source.is_relative_to(target) else "lies inside"
+            raise OutputExistsError(f"{flag} {str(out)!r} {where} {str(source)!r}, which this command reads: "
+                                    f"choose a {flag} outside its inputs")
+
+
+def check_output_file(path: Path, overwrite: bool, inputs: Iterable[str | Path | None] = (),
+                      flag: str = "--json") -> None:
+    """Refuse, before any work, a results file that is an input, a folder, an existing file without
+    ``overwrite``, or in a folder that cannot be written."""
+    path = Path(path)
+    check_not_an_input(path, inputs, flag)
+    if path.is_dir():
+        raise OutputExistsError(f"{flag} {str(path)!r} is a folder; give a file name")
+    if path.exists() and not overwrite:
+        raise OutputExistsError(f"{flag} {str(path)!r} exists; pass --overwrite to replace it, or choose another name")
+    parent = _nearest_existing(path.parent)
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise OutputExistsError(f"cannot write {flag} {str(path)!r}: {parent} is not a writable folder")
+
+
+def write_output_file(path: Path, text: str) -> None:
+    """Write a results file atomically (its folder made first)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)

@@ -208,3 +208,32 @@ def test_readme_smollm2_table_is_what_bench_real_prints_from_its_results():
     start, end = "<!-- bench_real:start -->\n", "<!-- bench_real:end -->"
     block = README.read_text().split(start, 1)[1].split(end, 1)[0]
     assert block == table, "README.md's SmolLM2 table differs from `python benchmarks/bench_real.py --markdown`"
+
+
+def test_no_command_writes_into_what_it_reads(converted, tmp_path, capsys):
+    """An output that is, holds or lies inside an input is refused before any work, --overwrite or not, and
+    the input is left as it was."""
+    data = tmp_path / "n.txt"
+    data.write_text("Once upon a time there was a little dog. " * 40)
+    weights = (converted / "model.safetensors").read_bytes()
+    for argv in (["report", str(converted), "--out", str(converted), "--overwrite"],
+                 ["report", str(converted), "--out", str(converted / "report")],
+                 ["export", str(converted), "--format", "qwen2_moe", "--out", str(converted), "--overwrite"],
+                 ["convert", str(converted), "--method", "cmoe", "--out", str(converted.parent), "--overwrite"],
+                 ["eval", str(converted), "--data", str(data), "--json", str(data), "--overwrite"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "which this command reads" in err and err.count("\n") == 1, argv
+    assert (converted / "model.safetensors").read_bytes() == weights
+    assert data.read_text().startswith("Once upon a time")
+
+
+def test_eval_json_refuses_an_existing_file_or_a_folder_before_evaluating(converted, tmp_path, capsys):
+    existing = tmp_path / "results.json"
+    existing.write_text("keep")
+    assert main(["eval", str(converted), "--json", str(existing)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err and existing.read_text() == "keep"
+    assert main(["eval", str(converted), "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["eval", str(converted), "--json", str(existing), "--overwrite"]) == 0
+    assert json.loads(existing.read_text())["ppl"]

@@ -265,7 +265,7 @@ def test_recover_cli_refuses_its_own_run_as_output_and_asks_for_a_text_it_cannot
     from moeify.cli.main import main
 
     assert main(["recover", str(saved_run), "--tokens", "64", "--out", str(saved_run), "--overwrite"]) == 2
-    assert "is the run itself" in capsys.readouterr().err
+    assert "which this command reads" in capsys.readouterr().err
     other = tmp_path / "other"
     other.mkdir()
     for name in ("record.json", "config.json"):

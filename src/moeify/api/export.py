@@ -13,7 +13,7 @@ from moeify.evaluation.record import RECORD_NAME, library_versions
 from moeify.export.approximate import approximate as approximate_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, Support, save_hf
 from moeify.export.hf_parts import EXACT, Approximation
-from moeify.files import check_output_dir
+from moeify.files import check_not_an_input, check_output_dir
 from moeify.loading import load_model
 
 CALIB_SEQ_LEN = 512  # approximation windows (or the model's context, if shorter)
@@ -62,6 +62,7 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
         raise ValueError("--calib, --eval and --distill-steps are the approximation's; they need --approximate "
                          "(or --dense-layers)")
     out = Path(out)
+    check_not_an_input(Path(out), [source, calib, eval])
     check_output_dir(out, overwrite)
     calib_source, eval_source = read_text(calib or EMBEDDED_CALIB), read_text(eval or EMBEDDED_EVAL)
     model, tokenizer = load_model(source, device, dtype)

@@ -25,7 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per sequence (default 32)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after warm-up (default 5)")
     add_device_arguments(parser)
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the results to this JSON file (an existing one only with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     parser.set_defaults(run=run)
 
 
@@ -56,12 +58,15 @@ def _dense_model(folder: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.evaluation.bench import benchmark_pair
+    from moeify.files import check_output_file, write_output_file
 
     sizes = _batch_sizes(args.batch_sizes)
     for name in ("seq_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range; allowed: >= 1")
     against = args.against if args.against is not None else _dense_model(Path(args.model))
+    if args.json:
+        check_output_file(args.json, args.overwrite, [args.model, against])
     moe, _ = moeify.load_model(args.model, args.device, args.dtype)
     dense, _ = moeify.load_model(against, args.device, args.dtype)
     result = benchmark_pair(dense, moe, sizes, args.seq_len, args.new_tokens, args.repeats)
@@ -73,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     rows.append(("peak memory", result["peak_memory"]))
     print_table(f"moeify bench {args.model} vs {against}", rows)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

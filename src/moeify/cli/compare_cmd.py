@@ -20,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "save each run under --out/<method>/ and write --out/report/.")
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--methods", default=names, help=f"comma-separated (default: {names})")
-    parser.add_argument("--active", type=float, default=0.5, help="target APR (default 0.5)")
+    parser.add_argument("--active", "--apr", dest="active", type=float, default=0.5,
+                        help="target activated-parameter ratio, APR (default 0.5)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the runs and the report")
     parser.add_argument("--calib", action="append", default=None,
                         help="calibration/training text, as for convert: a file or folder, repeatable (default: "
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from moeify.api.compare import split_options
     from moeify.api.recover import recovery_config
     from moeify.cli.recover_cmd import parse_milestones
-    from moeify.files import output_lock
+    from moeify.files import check_not_an_input, output_lock
     from moeify.methods import get_method
     from moeify.options import parse_assignments
 
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} is out of range; allowed: >= 1")
+    check_not_an_input(args.out, [args.model, *(args.calib or []), args.eval])
     per_method, recovery = split_options(parse_assignments(args.set), methods)
     budgets = parse_milestones(args.recover_tokens)
     if recovery and not budgets:

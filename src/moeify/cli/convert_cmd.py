@@ -60,7 +60,7 @@ def work_dir(out: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     import moeify
-    from moeify.files import check_output_dir, output_lock
+    from moeify.files import check_not_an_input, check_output_dir, output_lock
     from moeify.options import parse_assignments
     from moeify.training.distributed import init_from_env, is_main, launched
 
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--fsdp shards training over processes: start moeify with torchrun --nproc_per_node N "
                          "(N >= 2)")
     options = parse_assignments(args.set)
+    check_not_an_input(args.out, [args.model, *(args.calib or []), *(args.eval or [])])
     check_output_dir(args.out, args.overwrite)
     init_from_env(args.device, fsdp=args.fsdp)  # under torchrun: every process converts, the training shares each batch
     work = work_dir(args.out)

@@ -27,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "windows, first token of each unscored); see moeify.evaluation.perplexity")
     parser.add_argument("--stride", type=int, default=None, help="window step of --protocol sliding")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="runtime option")
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the results to this JSON file (an existing one only with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     add_device_arguments(parser)
     add_layer_by_layer_argument(parser)
     harness = parser.add_argument_group(
@@ -59,9 +61,12 @@ MIN_SCORED_TOKENS = 1000  # below this a perplexity is mostly noise: warn
 
 def run(args: argparse.Namespace) -> int:
     import moeify
+    from moeify.files import check_output_file, write_output_file
     from moeify.options import parse_assignments
 
     options = parse_assignments(args.set)
+    if args.json:
+        check_output_file(args.json, args.overwrite, [args.model, *args.data, args.task_data])
     if args.tasks and args.layer_by_layer:
         print("moeify eval: error: --tasks needs the whole model in memory; leave out --layer-by-layer "
               "(perplexity runs layer by layer)", file=sys.stderr)
@@ -87,6 +92,6 @@ def run(args: argparse.Namespace) -> int:
              ("activated param ratio (APR)", f"{results['active']['apr']:.3f}")]
     print_table(f"moeify eval {args.model}", rows)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

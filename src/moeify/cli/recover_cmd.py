@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.api.recover import recover_run
     from moeify.cli.convert_cmd import summary_rows, work_dir
-    from moeify.files import check_output_dir, output_lock
+    from moeify.files import check_not_an_input, check_output_dir, output_lock
     from moeify.options import parse_assignments
     from moeify.training.distributed import init_from_env, is_main
 
@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"recover takes recovery options (recover_*) only; got {', '.join(unknown)}")
     milestones = parse_milestones(args.milestones)
-    if args.run_dir.resolve() == args.out.resolve():
-        raise ValueError(f"--out {str(args.out)!r} is the run itself: write the recovered model to another folder")
+    check_not_an_input(args.out, [args.run_dir, *(args.calib or []), args.eval, args.teacher])
     check_output_dir(args.out, args.overwrite)
     init_from_env(args.device)
     work = work_dir(args.out)

@@ -153,9 +153,10 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
 
 
 def write_report(folders: list[Path], out: Path, overwrite: bool = False) -> Path:
-    """Write ``report.md`` and the plots into ``out`` (atomically)."""
-    from moeify.files import atomic_dir
+    """Write ``report.md`` and the plots into ``out`` (atomically); ``out`` may not be, hold or lie inside a run."""
+    from moeify.files import atomic_dir, check_not_an_input
 
+    check_not_an_input(out, folders)
     runs = read_runs(folders)
     images = plots(runs)
     with atomic_dir(out, overwrite=overwrite) as tmp:
