@@ -5,6 +5,8 @@ permissions that follow the umask, and ``MOEIFY_KEY``, the config block that mar
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -14,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 MOEIFY_KEY = "moeify"  # the block in a converted model's config.json that describes its MoE layers
-MARKER = ".moeify"  # in every folder moeify writes: what --overwrite may replace
-_WRITTEN_BY_MOEIFY = (MARKER, "record.json")  # record.json: folders of earlier versions
+MARKER = ".moeify"  # in every folder moeify writes: the files it wrote there, which --overwrite may replace
+_LEGACY_MARKER = "written by moeify"  # the marker's text in earlier versions: the whole folder was moeify's
 
 
 class OutputExistsError(FileExistsError):
@@ -39,16 +41,50 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _listing_digest(files: dict[str, int]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_marker(folder: Path, command: str, files: dict[str, int] | None = None) -> None:
+    """Mark ``folder`` as moeify's: its marker names the command and every file moeify wrote there (path and
+    size; default: every file in it) with a digest of that list, so that no marker comes about by accident
+    (a copied or hand-made one does not match its own list)."""
+    folder = Path(folder)
+    if files is None:
+        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                 if p.is_file() and p.name != MARKER}
+    marker = {"written_by": f"moeify {command}".strip(), "files": files, "digest": _listing_digest(files)}
+    (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+def moeify_files(folder: Path) -> set[str] | None:
+    """The files moeify wrote into ``folder`` (paths relative to it), from its marker; every file for a marker
+    of an earlier version; None where the folder has no valid marker (moeify did not write it)."""
+    marker = Path(folder) / MARKER
+    if not marker.is_file():
+        return None
+    text = marker.read_text(errors="replace")
+    if text.startswith(_LEGACY_MARKER):
+        return {str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file() and p.name != MARKER}
+    try:
+        data = json.loads(text)
+        files, valid = data["files"], data["digest"] == _listing_digest(data["files"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return set(files) if valid and str(data.get("written_by", "")).startswith("moeify") else None
+
+
 def check_output_dir(out: Path, overwrite: bool) -> None:
     """Fail before any heavy work when ``out`` would be clobbered without permission, is a folder moeify
-    did not write, or cannot be written (a temporary sibling is created and removed)."""
+    did not write (no valid marker: ``write_marker``), or cannot be written (a temporary sibling is created
+    and removed)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite "
                                     "(overwrite=True) to replace it, or choose another --out")
-        if not out.is_dir() or not any((out / name).is_file() for name in _WRITTEN_BY_MOEIFY):
-            raise OutputExistsError(f"{str(out)!r} was not written by moeify (no {MARKER} or record.json in it); "
+        if not out.is_dir() or moeify_files(out) is None:
+            raise OutputExistsError(f"{str(out)!r} was not written by moeify (no valid {MARKER} marker in it); "
                                     "--overwrite replaces only moeify's own outputs: choose another --out")
     parent = _nearest_existing(Path(out).parent)
     try:
@@ -103,17 +139,37 @@ def _follow_umask(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
+def _carry_over_(old: Path, new: Path) -> None:
+    """Move every file of ``old`` that moeify did not write (its marker's list) into ``new``, so that replacing
+    ``old`` by ``new`` removes only moeify's own files; one that ``new`` also holds is refused (it would be lost)."""
+    ours = moeify_files(old) or set()
+    theirs = [p for p in sorted(old.rglob("*")) if p.is_file() and p.name != MARKER
+              and str(p.relative_to(old)) not in ours]
+    clashes = [str(p.relative_to(old)) for p in theirs if (new / p.relative_to(old)).exists()]
+    if clashes:
+        raise OutputExistsError(f"{str(old)!r} holds {clashes[0]!r}, which moeify did not write and the new output "
+                                "would replace: move it away, or choose another --out")
+    for path in theirs:
+        target = new / path.relative_to(old)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+
+
 @contextmanager
-def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; on success it replaces ``out``, on error it is removed."""
+def atomic_dir(out: Path, overwrite: bool = False, command: str = "") -> Iterator[Path]:
+    """Yield a temporary folder beside ``out``; on success it is marked as moeify's (``command`` named in the
+    marker) and replaces ``out`` (whose files moeify did not write move into it first), on error it is
+    removed."""
     out = Path(out)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
-        (tmp / MARKER).write_text("written by moeify; --overwrite may replace this folder\n")
+        write_marker(tmp, command)
         _follow_umask(tmp)
+        if out.exists():
+            _carry_over_(out, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -151,3 +151,40 @@ def test_loading_a_converted_folder_needs_no_remote_code_for_its_tokenizer(make_
     err = capfd.readouterr().err
     assert "not supported" not in err and "custom code" not in err, err
     assert loaded_tokenizer("Once upon a time").input_ids == tokenizer("Once upon a time").input_ids
+
+
+def test_overwrite_needs_moeify_s_own_marker_and_keeps_the_files_moeify_did_not_write(tmp_path):
+    """A record.json or a hand-made marker is no proof that moeify wrote a folder; in a folder it did write,
+    --overwrite replaces moeify's files and keeps those a user added."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "thesis.txt").write_text("mine")
+    (fake / "record.json").write_text("{}")
+    (fake / ".moeify").write_text('{"written_by": "moeify convert", "files": {}, "digest": "0"}')
+    with pytest.raises(OutputExistsError, match="was not written by moeify"):
+        with atomic_dir(fake, overwrite=True):
+            pass
+    assert (fake / "thesis.txt").read_text() == "mine"
+    out = tmp_path / "run"
+    with atomic_dir(out, command="report") as tmp:
+        (tmp / "report.md").write_text("old")
+    assert json.loads((out / ".moeify").read_text())["written_by"] == "moeify report"
+    (out / "notes.md").write_text("my notes")
+    (out / "sub").mkdir()
+    (out / "sub" / "more.txt").write_text("more")
+    with atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "report.md").write_text("new")
+    assert (out / "report.md").read_text() == "new" and (out / "notes.md").read_text() == "my notes"
+    assert (out / "sub" / "more.txt").read_text() == "more"
+    (out / "plot.png").write_text("a user's file where the next output writes one")
+    with pytest.raises(OutputExistsError, match="holds 'plot.png', which moeify did not write"):
+        with atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "plot.png").write_text("new plot")
+    assert (out / "plot.png").read_text().startswith("a user's file") and (out / "report.md").read_text() == "new"
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / ".moeify").write_text("written by moeify; --overwrite may replace this folder\n")
+    (legacy / "old.bin").write_text("x")
+    with atomic_dir(legacy, overwrite=True) as tmp:
+        (tmp / "new.bin").write_text("y")
+    assert sorted(p.name for p in legacy.iterdir()) == [".moeify", "new.bin"]

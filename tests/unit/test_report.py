@@ -63,7 +63,8 @@ def test_report_from_records(two_runs, tmp_path, capsys):
     assert f"| {records[0]['metrics']['ppl']:.3f} | - |" in markdown_table(records)
     records[0]["nominal_active"] = None  # a data-dependent router (DSMoE's threshold) has no nominal APR
     assert f"| {records[0]['active']['apr']:.3f} | - |" in markdown_table(records)
-    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r2")]) == 2
+    (tmp_path / "not-a-run").mkdir()
+    assert main(["report", str(tmp_path / "not-a-run"), "--out", str(tmp_path / "r2")]) == 2
     assert "has no record.json" in capsys.readouterr().err
 
 
@@ -92,8 +93,10 @@ def test_compare_refuses_an_existing_out_resumes_complete_runs_and_replaces_only
     assert again[0]["resumed"] and again[0]["folder"] == first[0]["folder"]
     assert record.stat().st_mtime_ns == written  # not converted again
     (out / "cmoe").mkdir()  # a stale run of an earlier comparison
+    (out / "cmoe" / ".moeify").write_text("written by moeify; --overwrite may replace this folder\n")
+    (out / "notes.md").write_text("mine")  # a user's file among the runs
     run_comparison(None, ["static_prune"], 0.5, out, overwrite=True)
-    assert not (out / "cmoe").exists() and record.is_file()
+    assert not (out / "cmoe").exists() and record.is_file() and (out / "notes.md").read_text() == "mine"
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")

@@ -73,7 +73,7 @@ def save_analysis(result: LayerAnalysis, out: str | Path, *, overwrite: bool = F
     """Write the artifacts and ``record.json`` atomically into ``out``."""
     out = Path(out)
     check_output_dir(out, overwrite)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, command="analyze") as tmp:
         for name, content in result.artifacts.items():
             (tmp / name).write_bytes(content)
         write_record(result.record, tmp / RECORD_NAME)

@@ -26,7 +26,7 @@ from moeify.api.recover import prepare_teacher_cache, recovery_config, recovery_
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB
 from moeify.arch import DecoderAdapter
-from moeify.files import MARKER, OutputExistsError, check_output_dir
+from moeify.files import OutputExistsError, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method
 
@@ -38,19 +38,28 @@ def matched_options(method: Method, active: float, adapter: DecoderAdapter) -> t
     return method.match_budget(active, adapter)
 
 
+WORKING = ("teacher_cache", "compare.json")  # what a comparison writes beside its runs (and <method>.work)
+
+
 def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> None:
-    """Before any work: an existing ``out`` is continued (``resume``), replaced when moeify wrote it
-    (``overwrite``), or refused; then the folder is marked as moeify's."""
+    """Before any work: an existing ``out`` is continued (``resume``), cleared of what an earlier comparison
+    wrote (``overwrite``: its runs and report, each marked as moeify's, and its working files; anything else
+    stays), or refused; then the folder is marked as moeify's."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are alternatives: continue the runs in --out, or replace them")
-    if resume and out.is_dir() and not (out / MARKER).is_file():
+    if resume and out.is_dir() and moeify_files(out) is None:
         raise OutputExistsError(f"{str(out)!r} was not written by moeify compare; nothing to resume")
     if not resume:
         check_output_dir(out, overwrite)  # refuses a folder moeify did not write
         if out.is_dir() and overwrite:
-            shutil.rmtree(out)  # moeify's own earlier comparison: no stale method folders stay
+            for child in out.iterdir():
+                if child.is_dir() and (moeify_files(child) is not None or child.name in WORKING
+                                       or child.name.endswith(".work")):
+                    shutil.rmtree(child)
+                elif child.name in WORKING:
+                    child.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by moeify compare; --overwrite may replace this folder\n")
+    write_marker(out, "compare", files={})  # its runs carry their own markers
 
 
 def _completed(folder: Path) -> bool:

@@ -203,7 +203,7 @@ def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) 
     """Write the converted model, its tokenizer and ``record.json`` atomically into ``out``."""
     out = Path(out)
     check_output_dir(out, overwrite)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, command="recover" if "recovery" in result.record else "convert") as tmp:
         save_native(result.model, tmp, result.tokenizer, method=result.record["method"])
         write_record(result.record, tmp / RECORD_NAME)
         for name, content in result.artifacts.items():

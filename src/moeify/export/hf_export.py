@@ -377,7 +377,7 @@ def save_hf(export: HfExport, out: str | Path, tokenizer: Any = None, *, overwri
     """Write ``export`` atomically: transformers' ``save_pretrained`` (its original checkpoint layout,
     per-expert tensors), the tokenizer, legacy rope keys and ``moeify_export.json``."""
     out = Path(out)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, command="export") as tmp:
         export.model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -159,7 +159,7 @@ def write_report(folders: list[Path], out: Path, overwrite: bool = False) -> Pat
     check_not_an_input(out, folders)
     runs = read_runs(folders)
     images = plots(runs)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, command="report") as tmp:
         text = "# moeify report\n\n" + markdown_table(runs) + "\n" + "".join(f"![{name}]({name})\n" for name in images)
         (tmp / "report.md").write_text(text)
         for name, content in images.items():

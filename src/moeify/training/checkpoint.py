@@ -162,7 +162,7 @@ def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.
     optimizer_tensors, optimizer_rest = _split_optimizer(optimizer, keep=write)
     if not write:
         return target
-    with atomic_dir(target, overwrite=True) as tmp:
+    with atomic_dir(target, overwrite=True, command="checkpoint") as tmp:
         save_file(model_tensors, str(tmp / "model.safetensors"))
         save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"))
         save_file(_rng_tensors(generator), str(tmp / "rng.safetensors"))
