@@ -43,6 +43,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
 
 from moeify.arch import DecoderAdapter
+from moeify.presets import PRESETS
 
 GIB = 2**30
 PROCESS_BYTES = int(0.45 * GIB)  # Python, torch, transformers and moeify: a 260K-parameter conversion's peak
@@ -50,17 +51,6 @@ EVAL_BATCH = 8                   # windows per forward in ``evaluation.perplexit
 LOGIT_CHUNK = 1024               # positions whose logits exist at once (``evaluation.perplexity``)
 CALIB_BYTES = 4                  # calibration caches hidden states in float32 (``calibration.stream``)
 
-# Shapes of the models the papers convert (their published configs), for plans without a checkpoint.
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
-    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
-    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
-}
 
 
 @dataclass(frozen=True)

@@ -138,3 +138,24 @@ def test_a_base_install_has_every_package_moeify_imports():
                if not {d.lower() for d in distributions.get(top, [top])} & base}
     assert missing == {"lm_eval": ["moeify/evaluation/harness.py"], "vllm": ["moeify/evaluation/serving.py"]}
     assert "lm-eval" in " ".join(project["optional-dependencies"]["eval"])
+
+
+def test_the_command_line_parses_without_torch():
+    """``moeify --version`` and every ``--help`` build the parser only: no heavy import (torch takes seconds),
+    so they answer at once; the commands import what they use when they run."""
+    heavy = ("torch", "transformers", "numpy", "safetensors", "lm_eval", "matplotlib", "peft")
+    script = ("import sys, time; start = time.perf_counter(); from moeify.cli.main import build_parser; "
+              f"build_parser(); print(time.perf_counter() - start, [m for m in {heavy!r} if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(ROOT / "src")},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    seconds, loaded = result.stdout.split(" ", 1)
+    assert loaded.strip() == "[]" and float(seconds) < 1.0
+
+
+def test_the_help_names_every_supported_family():
+    from moeify.arch.families import FAMILIES
+    from moeify.cli.main import FAMILY_NAMES
+
+    spelled = [name.lower().replace("-", "").replace("/llama3", "") for name in FAMILY_NAMES.split(", ")]
+    assert spelled == [family.name.replace("_", "") for family in FAMILIES]

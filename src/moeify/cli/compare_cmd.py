@@ -10,16 +10,14 @@ from moeify.cli.common import add_device_arguments
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from moeify.methods import METHODS
-
-    names = ",".join(m.name for m in METHODS)
     parser = sub.add_parser(
         "compare", help="run several methods at matched activated parameters and report",
         description="Convert MODEL with each method on the same calibration and evaluation text, matching the "
                     "activated-parameter ratio (APR) where the method allows it (see moeify.api.compare), "
                     "save each run under --out/<method>/ and write --out/report/.")
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
-    parser.add_argument("--methods", default=names, help=f"comma-separated (default: {names})")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated (default: every method, as `moeify methods` lists them)")
     parser.add_argument("--active", "--apr", dest="active", type=float, default=0.5,
                         help="target activated-parameter ratio, APR (default 0.5)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the runs and the report")
@@ -55,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
     from moeify.methods import get_method
     from moeify.options import parse_assignments
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    from moeify.methods import METHODS
+
+    names = args.methods or ",".join(m.name for m in METHODS)
+    methods = [m.strip() for m in names.split(",") if m.strip()]
     for name in methods:
         get_method(name)  # unknown names fail before any work
     if not 0 < args.active <= 1:

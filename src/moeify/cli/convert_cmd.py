@@ -10,7 +10,6 @@ from pathlib import Path
 
 from moeify.cli.common import add_device_arguments, add_layer_by_layer_argument
 from moeify.cli.format import print_table
-from moeify.evaluation.perplexity import describe_change
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summary_rows(rec: dict) -> list[tuple[str, str]]:
     """The summary table of a record (``convert`` and ``recover`` print it)."""
+    from moeify.evaluation.perplexity import describe_change
+
     rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}")]
     recovery = rec.get("recovery")
     if recovery is not None:

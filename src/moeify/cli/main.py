@@ -22,6 +22,9 @@ from moeify.cli import (
 )
 from moeify.version import __version__
 
+# the model families of ``arch.families.FAMILIES`` as users name them (a test keeps the two together); written
+# out so that ``--help`` needs no import of torch
+FAMILY_NAMES = "LLaMA/Llama-3, Mistral, Qwen2, Qwen3, Gemma-3, Gemma-2, OLMo-2, Granite, Phi-3, GPT-NeoX, Phi"
 COMMANDS = (convert_cmd, recover_cmd, eval_cmd, bench_cmd, compare_cmd, report_cmd, methods_cmd, export_cmd,
             analyze_cmd, plan_cmd)
 
@@ -29,9 +32,9 @@ COMMANDS = (convert_cmd, recover_cmd, eval_cmd, bench_cmd, compare_cmd, report_c
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeify",
-        description="Turn a dense decoder-only LLM (LLaMA, Mistral, Qwen2/3, Phi, Phi-3, GPT-NeoX) into a "
-                    "Mixture-of-Experts model and report perplexity, activated parameters and speed against "
-                    "the dense model. Without a MODEL argument the embedded stories260K model is used.",
+        description=f"Turn a dense decoder-only LLM ({FAMILY_NAMES}) into a Mixture-of-Experts model and report "
+                    "perplexity, activated parameters and speed against the dense model. MODEL is a local folder, a "
+                    "hub name or a llama.cpp .gguf file; without it the embedded stories260K model is used.",
         epilog="Example: moeify convert --method cmoe --set spec=S1A1E8 --out runs/cmoe")
     parser.add_argument("--version", action="version", version=f"moeify {__version__}")
     parser.add_argument("--debug", action="store_true", help="on an error, show the full traceback instead of one line")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeify.methods import METHODS
 from moeify.options import describe
-from moeify.training.recovery import RecoveryOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +24,9 @@ def run(args: argparse.Namespace) -> int:
 
 def listing() -> str:
     """The plain listing: per method its summary, paper and options with type, default and help."""
+    from moeify.methods import METHODS
+    from moeify.training.recovery import RecoveryOptions
+
     lines = []
     for method in METHODS:
         lines += [f"{method.name}: {method.summary}", f"  paper: {method.paper}", "  options (--set KEY=VALUE):"]
@@ -61,6 +62,9 @@ def _option_table(config_cls: type) -> list[str]:
 def markdown() -> str:
     """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options; then the
     recovery's options, which every method takes."""
+    from moeify.methods import METHODS
+    from moeify.training.recovery import RecoveryOptions
+
     lines = []
     for method in METHODS:
         summary = method.summary[:1].upper() + method.summary[1:]

@@ -7,8 +7,7 @@ import json
 
 from moeify.cli.common import add_layer_by_layer_argument
 from moeify.cli.format import print_table
-from moeify.methods import DEFAULT_METHOD, METHODS
-from moeify.planning import GIB, PRESETS
+from moeify.presets import PRESETS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     + ", ".join(PRESETS) + " (bfloat16 unless --dtype says otherwise). `convert` makes the same "
                     "estimate and stops at once when it exceeds the free memory.")
     parser.add_argument("model", nargs="?", default=None, help="checkpoint, GGUF file, hub name or preset")
-    parser.add_argument("--method", default=DEFAULT_METHOD, choices=[m.name for m in METHODS])
+    parser.add_argument("--method", default=None,
+                        help="conversion method (default: the default method; `moeify methods` lists them)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="method option, repeatable")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="working dtype (default: the checkpoint's own)")
@@ -40,8 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeify.api.plan import plan
+    from moeify.methods import DEFAULT_METHOD, get_method
     from moeify.options import parse_assignments
 
+    args.method = get_method(args.method or DEFAULT_METHOD).name  # an unknown name fails here, naming the methods
     if args.table:
         print(table(args.layer_by_layer))
         return 0
@@ -66,6 +68,8 @@ def table(layer_by_layer: bool = False) -> str:
     """Markdown: the peak (GiB) of every method's default conversion of every preset shape in bfloat16 on one
     GPU (the checkpoint not memory-mapped); ``layer_by_layer``: of the methods that can, held that way."""
     from moeify.api.plan import plan
+    from moeify.methods import METHODS
+    from moeify.planning import GIB
 
     methods = [m for m in METHODS if m.layer_by_layer or not layer_by_layer]
     lines = ["| model | params | " + " | ".join(m.name for m in methods) + " |",
