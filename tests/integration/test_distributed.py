@@ -1,6 +1,8 @@
 """Data-parallel training under torchrun (2 processes, gloo on this CPU), replicated and sharded (``--fsdp``),
-ends with the weights of one process on the same global batch and seed, within 1e-5; only the main process
-writes. The checkpoint every 2 of 3 steps also gathers a sharded run's model and shards it again, and a
+ends with the weights of one process on the same global batch and seed: on average within 1e-7, every weight
+within 1e-4 (Adam divides a gradient near zero by its own size, so the order in which two processes sum one
+moves a few weights by a fraction of a step; a process on other data, or a tensor left unsynchronised, moves
+nearly every weight, or a whole tensor, by whole steps); only the main process writes. The checkpoint every 2 of 3 steps also gathers a sharded run's model and shards it again, and a
 sharded run killed in step 3 resumes from that checkpoint, restored into its shards, to the same weights."""
 
 from __future__ import annotations
@@ -88,11 +90,11 @@ def test_two_processes_train_to_the_weights_of_one(name, tmp_path):
     for name, fsdp in (("two", False), ("sharded", True)):
         other = load_file(tmp_path / name / "model.safetensors")
         assert one.keys() == other.keys()
-        gap = max(float((one[k].double() - other[k].double()).abs().max()) for k in one)
-        assert gap <= 1e-5, (name, gap)
+        gaps = torch.cat([(one[k].double() - other[k].double()).abs().flatten() for k in one])
+        assert float(gaps.mean()) <= 1e-7 and float(gaps.max()) <= 1e-4, (name, float(gaps.mean()), float(gaps.max()))
         record = json.loads((tmp_path / name / "record.json").read_text())
         assert (record["config"]["processes"], record["config"]["fsdp"]) == (2, fsdp)
-        # weights within 1e-5 move the perplexity of an untrained, chaotic model by more (2.8e-5 measured)
+        # weights this close move the perplexity of an untrained, chaotic model by more (2.8e-5 measured)
         assert reference["metrics"]["ppl"] == pytest.approx(record["metrics"]["ppl"], rel=1e-4)
         assert torch.isfinite(torch.tensor(record["metrics"]["ppl"]))
         assert not (tmp_path / f"{name}.work").exists() and not (tmp_path / f"{name}.lock").exists()
