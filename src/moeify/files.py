@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -80,12 +81,12 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     and removed)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite "
-                                    "(overwrite=True) to replace it, or choose another --out")
         if not out.is_dir() or moeify_files(out) is None:
-            raise OutputExistsError(f"{str(out)!r} was not written by moeify (no valid {MARKER} marker in it); "
-                                    "--overwrite replaces only moeify's own outputs: choose another --out")
+            raise OutputExistsError(f"{str(out)!r} exists and was not written by moeify (no valid {MARKER} marker "
+                                    "in it); moeify replaces only its own outputs: choose another --out")
+        if not overwrite:
+            raise OutputExistsError(f"output folder {str(out)!r} exists (an earlier moeify output); pass "
+                                    "--overwrite (overwrite=True) to replace it, or choose another --out")
     parent = _nearest_existing(Path(out).parent)
     try:
         Path(tempfile.mkdtemp(prefix=f".{out.name}.check-", dir=parent)).rmdir()
@@ -155,6 +156,19 @@ def _carry_over_(old: Path, new: Path) -> None:
         path.rename(target)
 
 
+def remove_stale_temporaries(out: Path) -> None:
+    """Remove the temporaries that a killed write of ``out`` left beside it (``.NAME.tmp-XXXXXXXX``, as
+    ``atomic_dir`` and ``atomic_file`` name them): each run into ``out`` holds its lock, so none is in use."""
+    pattern = re.compile(rf"\.{re.escape(Path(out).name)}\.tmp-[a-z0-9_]{{8}}")
+    parent = Path(out).parent
+    for path in parent.iterdir() if parent.is_dir() else ():
+        if pattern.fullmatch(path.name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
 @contextmanager
 def atomic_dir(out: Path, overwrite: bool = False, command: str = "") -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it is marked as moeify's (``command`` named in the
@@ -163,6 +177,7 @@ def atomic_dir(out: Path, overwrite: bool = False, command: str = "") -> Iterato
     out = Path(out)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
@@ -187,6 +202,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary file name beside ``path``; on success the file written there replaces ``path``, on
     error it is removed (a reader never sees a half-written file)."""
     path = Path(path)
+    remove_stale_temporaries(path)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     os.close(fd)
     tmp = Path(name)

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from moeify.export.native import is_native_folder, load_native, native_config, native_model_class
+from moeify.files import MOEIFY_KEY
 from moeify.offload import layered_model
 
 EMBEDDED_MODEL = "embedded:stories260K"
@@ -72,8 +73,10 @@ def model_source(model: str | Path | None) -> ModelSource:
 
 
 def _looks_local(name: str) -> bool:
-    """A path rather than a hub name ("org/name"): absolute, relative with ./ or ../, ~, or deeper."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+    """A path rather than a hub name ("org/name"): absolute, relative with ./ or ../, ~, deeper, or one whose
+    first part exists here (``runs/cmeo`` beside a ``runs`` folder is a mistyped run, not a hub model)."""
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+            or "/" in name and Path(name.split("/", 1)[0]).exists())
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -104,10 +107,35 @@ def check_device(device: str) -> None:
 
 
 def load_config(model: str | Path | None) -> PreTrainedConfig:
-    """The model's config without its weights (for validation before any heavy work)."""
+    """The model's config without its weights (for validation before any heavy work); a converted folder's
+    is its base model's config class with the ``moeify`` block (read without remote code)."""
     source = model_source(model)
     with _gguf_errors(source), _read_errors(source.path, "config.json"):
+        if source.gguf_file is None and Path(source.path).is_dir() and is_native_folder(Path(source.path)):
+            return native_config(Path(source.path))
         return AutoConfig.from_pretrained(source.path, **source.kwargs)
+
+
+def converted_method(model: str | Path | None) -> str | None:
+    """The method that converted ``model`` where it is a folder moeify converted, else None."""
+    source = model_source(model)
+    folder = Path(source.path)
+    if source.gguf_file is not None or not folder.is_dir():
+        return None
+    with _read_errors(source.path, "config.json"):
+        if not is_native_folder(folder):
+            return None
+        return str(json.loads((folder / "config.json").read_text())[MOEIFY_KEY].get("method") or "moeify")
+
+
+def check_finite(model: torch.nn.Module, source: object) -> None:
+    """Refuse weights that hold NaN or Inf (a damaged or overflowed checkpoint): every result computed from
+    them would be NaN, found only after the work. The first such tensor is named."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: the weight {name} holds {bad} NaN or Inf value(s) of {tensor.numel()}; "
+                             "the checkpoint is damaged: load it again from its source")
 
 
 def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None) -> PreTrainedModel:
@@ -144,10 +172,12 @@ def load_model(model: str | Path | None = None, device: str = "cpu", dtype: str 
         if layer_by_layer:
             return _load_layered(folder, config, device, dtype), tokenizer
         if native:
-            return load_native(folder, device, working_dtype(dtype, config)), tokenizer
-        dtype = working_dtype(dtype, AutoConfig.from_pretrained(source.path))
-        dense = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    return dense.to(device).eval(), tokenizer
+            model = load_native(folder, device, working_dtype(dtype, config))
+        else:
+            dtype = working_dtype(dtype, AutoConfig.from_pretrained(source.path))
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device).eval()
+    check_finite(model, source)
+    return model, tokenizer
 
 
 def _load_layered(folder: Path, native: PreTrainedConfig | None, device: str,
@@ -191,6 +221,7 @@ def _load_gguf(source: ModelSource, device: str, dtype: torch.dtype) -> tuple[Pr
     with _gguf_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.kwargs)
+    check_finite(model, source)
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.config.name_or_path = str(source)

@@ -99,7 +99,7 @@ def test_eval_with_runtime_top_k(converted, tmp_path, capsys):
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "seq_len=4096"], "seq_len=4096 must be <= the model's context (512)"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--seq-len", "0"], "eval_seq_len=0 is out of range; allowed: [2, 512]"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--set", "bogus=1"], "unknown option(s) bogus"),
-    (["convert", "--method", "cmoe", "--out", "{tmp}/full"], "exists and is not empty"),
+    (["convert", "--method", "cmoe", "--out", "{tmp}/full"], "exists and was not written by moeify"),
     (["eval", "embedded:stories260K", "--set", "top_k=2"], "apply to converted models only"),
     (["eval", "embedded:stories260K", "--seq-len", "1024"], "seq_len=1024 is out of range; allowed: [2, 512]"),
     (["convert", "--method", "cmoe", "--out", "{tmp}/o", "--seq-len", "1024"], "eval_seq_len=1024 is out of range"),
@@ -237,3 +237,38 @@ def test_eval_json_refuses_an_existing_file_or_a_folder_before_evaluating(conver
     assert "is a folder" in capsys.readouterr().err
     assert main(["eval", str(converted), "--json", str(existing), "--overwrite"]) == 0
     assert json.loads(existing.read_text())["ppl"]
+
+
+def test_inputs_that_are_not_what_they_seem_are_one_line_before_any_work(converted, tmp_path, capsys, monkeypatch):
+    """A converted folder given to convert, a mistyped run path (never sent to the hub), a folder or a binary
+    file as text: each one line naming it, exit code 2."""
+    monkeypatch.chdir(converted.parent.parent)
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"\0" * 20_000)
+    for argv, message in (
+            (["convert", str(converted), "--method", "cmoe", "--out", str(tmp_path / "o")],
+             "moeify converted this model already (cmoe); convert the dense model it came from"),
+            (["eval", f"{converted.parent.name}/cmeo"], "no such model folder or file"),
+            (["eval", str(converted), "--data", str(tmp_path)], "is a folder; name one .txt, .jsonl or .json file"),
+            (["eval", str(converted), "--data", str(nul)], "is not text: 20000 of its 20000 characters are control")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_output(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from moeify import files
+
+    def full(folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
+
+    monkeypatch.setattr(files, "write_marker", full)
+    out = tmp_path / "run"
+    assert main(["convert", "--method", "static_prune", "--out", str(out), "--no-speed"]) == 1
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if "error" in line.lower()]
+    assert line.startswith("moeify convert: error: No space left on device (") and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary folder

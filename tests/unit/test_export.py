@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import moeify
 from moeify.api import ConversionResult
-from moeify.files import OutputExistsError, OutputLockedError, atomic_dir, check_output_dir, output_lock
+from moeify.files import OutputExistsError, OutputLockedError, atomic_dir, atomic_file, check_output_dir, output_lock
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import moe_layers
@@ -81,7 +81,7 @@ def test_atomic_dir_leaves_nothing_on_failure_and_refuses_to_clobber(tmp_path):
     with atomic_dir(out) as tmp:
         (tmp / "done.txt").write_text("ok")
     assert (out / "done.txt").read_text() == "ok"
-    with pytest.raises(OutputExistsError, match="exists and is not empty; pass --overwrite"):
+    with pytest.raises(OutputExistsError, match=r"exists \(an earlier moeify output\); pass --overwrite"):
         with atomic_dir(out):
             pass
     with atomic_dir(out, overwrite=True) as tmp:
@@ -188,3 +188,21 @@ def test_overwrite_needs_moeify_s_own_marker_and_keeps_the_files_moeify_did_not_
     with atomic_dir(legacy, overwrite=True) as tmp:
         (tmp / "new.bin").write_text("y")
     assert sorted(p.name for p in legacy.iterdir()) == [".moeify", "new.bin"]
+
+
+def test_a_killed_write_s_temporaries_are_removed_by_the_next_write_of_that_output(tmp_path):
+    """A save killed mid-way leaves ``.NAME.tmp-XXXXXXXX`` beside its output; the next write of that output
+    (which holds the output's lock) removes it, and nothing else: not another output's, not a user's file."""
+    stale, stale_file = tmp_path / ".run.tmp-ab12cd_3", tmp_path / ".metrics.json.tmp-9xk2m1q0"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    stale_file.write_text("{")
+    kept = [tmp_path / ".other.tmp-ab12cd_3", tmp_path / ".run.tmp-mine", tmp_path / "run.tmp-ab12cd_3"]
+    for path in kept:
+        path.write_text("not this run's")
+    with atomic_dir(tmp_path / "run") as tmp:
+        (tmp / "done.txt").write_text("ok")
+    with atomic_file(tmp_path / "metrics.json") as tmp:
+        tmp.write_text("{}")
+    assert not stale.exists() and not stale_file.exists()
+    assert all(path.read_text() == "not this run's" for path in kept)

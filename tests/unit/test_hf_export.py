@@ -179,7 +179,7 @@ def test_cli_check_and_export(native, tmp_path, capsys):
     assert "exact (up to fp rounding)" in out and "params source -> export" in out and "(the mapping itself)" in out
     assert "rearranged in layers 0, 1, 2, 3, 4" in out  # mixtral folds MoRE's backbone and dense layer
     assert main(["export", str(native), "--format", "mixtral", "--out", str(tmp_path / "mx")]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert "exists (an earlier moeify output); pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(native), "--format", "gpt_oss", "--out", str(tmp_path / "x")]) == 2
     assert "unknown export format 'gpt_oss'; available: glm4_moe, qwen2_moe, mixtral, granitemoeshared, llama" in capsys.readouterr().err
     approximate = ["--format", "glm4_moe", "--out", str(tmp_path / "d"), "--approximate"]

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from moeify.cli.main import main
 from moeify.loading import EMBEDDED_MODEL, model_source
@@ -29,6 +30,7 @@ def broken(tmp_path, name, *, config=True, weights=True, tokenizer=True):
     ("bad_config", "bad_config: cannot read the config.json \\(JSONDecodeError"),
     ("truncated_weights", "cannot read the weights \\(SafetensorError"),
     ("no_tokenizer", "has no tokenizer \\(none of tokenizer.json"),
+    ("nonfinite", "the weight model.layers.1.mlp.up_proj.weight holds 1 NaN or Inf value\\(s\\) of \\d+; the checkpoint is damaged"),
 ])
 def test_a_bad_model_is_one_line_with_exit_code_2(case, message, tmp_path, capsys):
     if case == "missing":
@@ -43,6 +45,11 @@ def test_a_bad_model_is_one_line_with_exit_code_2(case, message, tmp_path, capsy
     elif case == "truncated_weights":
         path = broken(tmp_path, case)
         (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:1000])
+    elif case == "nonfinite":
+        path = broken(tmp_path, case)
+        weights = load_file(path / "model.safetensors")
+        weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     else:
         path = broken(tmp_path, case, tokenizer=False)
     assert main(["eval", str(path), "--seq-len", "64"]) == 2

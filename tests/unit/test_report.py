@@ -1,6 +1,7 @@
 """Reports read records only; compare matches budgets; bench prints both models' speed."""
 
 import json
+import shutil
 
 import pytest
 
@@ -63,6 +64,15 @@ def test_report_from_records(two_runs, tmp_path, capsys):
     assert f"| {records[0]['metrics']['ppl']:.3f} | - |" in markdown_table(records)
     records[0]["nominal_active"] = None  # a data-dependent router (DSMoE's threshold) has no nominal APR
     assert f"| {records[0]['active']['apr']:.3f} | - |" in markdown_table(records)
+    assert "differ in base model" not in text
+    other = tmp_path / "other-text"  # run b as if evaluated on another text
+    shutil.copytree(two_runs / "b", other)
+    record = json.loads((other / "record.json").read_text())
+    record["data"]["eval"] = {"name": "ptb.txt", "sha256": "0" * 64}
+    (other / "record.json").write_text(json.dumps(record))
+    assert main(["report", str(two_runs / "a"), str(other), "--out", str(tmp_path / "mixed")]) == 0
+    assert "These runs differ in base model or evaluation text (2 settings)" in capsys.readouterr().out
+    assert "- setting 2: embedded:stories260K, evaluated on ptb.txt (other-text)" in (tmp_path / "mixed" / "report.md").read_text()
     (tmp_path / "not-a-run").mkdir()
     assert main(["report", str(tmp_path / "not-a-run"), "--out", str(tmp_path / "r2")]) == 2
     assert "has no record.json" in capsys.readouterr().err
@@ -87,7 +97,7 @@ def test_compare_refuses_an_existing_out_resumes_complete_runs_and_replaces_only
     first = run_comparison(None, ["static_prune"], 0.5, out)
     record = out / "static_prune" / "record.json"
     written = record.stat().st_mtime_ns
-    with pytest.raises(OutputExistsError, match="exists and is not empty"):
+    with pytest.raises(OutputExistsError, match=r"exists \(an earlier moeify output\); pass --overwrite"):
         run_comparison(None, ["static_prune"], 0.5, out)
     again = run_comparison(None, ["static_prune"], 0.5, out, resume=True)
     assert again[0]["resumed"] and again[0]["folder"] == first[0]["folder"]

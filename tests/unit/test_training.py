@@ -149,6 +149,14 @@ def test_resume_refuses_a_different_run_and_a_fresh_run_refuses_to_clobber(tmp_p
         run(2, folder=tmp_path / "empty", resume=True)
 
 
+def test_a_damaged_checkpoint_is_refused_in_one_line_that_names_it(tmp_path):
+    run(2, folder=tmp_path)
+    weights = tmp_path / "step-00000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])  # a disk that filled up while it was copied
+    with pytest.raises(ValueError, match=r"step-00000002: the checkpoint cannot be read \(.+\); delete this folder"):
+        run(4, folder=tmp_path, resume=True)
+
+
 def test_an_epoch_sees_every_window_once_in_a_seeded_order():
     from moeify.training.loop import epoch, epoch_windows
 

@@ -23,7 +23,8 @@ from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
-from moeify.loading import EMBEDDED_MODEL, check_device, load_config, load_model, model_source, working_dtype
+from moeify.loading import (EMBEDDED_MODEL, check_device, converted_method, load_config, load_model, model_source,
+                            working_dtype)
 from moeify.methods import DEFAULT_METHOD, METHODS, ConversionContext, Method, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
@@ -89,6 +90,10 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     warnings = [f"the calibration and evaluation texts are identical ({calib_source.name}): the perplexity is "
                 "measured on calibration data and will look better than it is"
                 for source in eval_sources if source.sha256 == calib_source.sha256]
+    converted = converted_method(model)
+    if converted is not None:
+        raise ValueError(f"{model}: moeify converted this model already ({converted}); convert the dense model it "
+                         "came from")
     model_config = load_config(model)
     family_for(model_config)
     spec.check(config, model_config)

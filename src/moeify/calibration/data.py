@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -49,6 +50,8 @@ def read_text(path: str | Path) -> TextSource:
         text = resources.files("moeify.data").joinpath(_EMBEDDED[spec]).read_text(encoding="utf-8")
         return TextSource(spec.split(":", 1)[1], text)
     file = Path(spec)
+    if file.is_dir():
+        raise DataError(f"data file {spec!r} is a folder; name one .txt, .jsonl or .json file in it")
     if not file.is_file():
         raise DataError(f"data file {spec!r} does not exist (expected a .txt, .jsonl or .json file)")
     if file.suffix.lower() not in TEXT_SUFFIXES + (".jsonl", ".json"):
@@ -67,7 +70,21 @@ def read_text(path: str | Path) -> TextSource:
         text = raw
     if not text.strip():
         raise DataError(f"data file {spec!r} holds no text")
+    check_text(text, spec)
     return TextSource(file.name, text)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")  # Unicode's control characters but whitespace
+
+
+def check_text(text: str, name: str) -> None:
+    """Refuse a file that is not text although it decodes (NUL bytes, a binary file renamed .txt): its
+    perplexity or calibration would mean nothing. Natural text in any script has control characters other
+    than whitespace in well under 1 % of its characters; a fifth or more is not text."""
+    control = len(_CONTROL.findall(text))
+    if control * 5 >= len(text):
+        raise DataError(f"data file {name!r} is not text: {control} of its {len(text)} characters are control "
+                        "characters (NUL bytes?)")
 
 
 def json_docs(file: Path, raw: str) -> list[Any]:

@@ -61,6 +61,7 @@ MIN_SCORED_TOKENS = 1000  # below this a perplexity is mostly noise: warn
 
 def run(args: argparse.Namespace) -> int:
     import moeify
+    from moeify.calibration.data import read_text
     from moeify.files import check_output_file, write_output_file
     from moeify.options import parse_assignments
 
@@ -77,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as error:
             print(f"moeify eval: error: {error}", file=sys.stderr)
             return 2
+    for data in args.data:  # a missing, empty or binary data file fails before the model loads
+        read_text(data)
     model, tokenizer = moeify.load_model(args.model, args.device, args.dtype, layer_by_layer=args.layer_by_layer)
     results = moeify.evaluate(model, tokenizer, args.data or None, seq_len=args.seq_len, runtime_options=options,
                               protocol=args.protocol, stride=args.stride,

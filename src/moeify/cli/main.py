@@ -88,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"moeify {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except OSError as error:  # the system refused a read or write: disk full, permissions, a vanished file
+        if args.debug or error.errno is None:
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"moeify {args.command}: error: {error.strerror or error}{where}; nothing was written to the output: "
+              "free the space or fix the permission and run again", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
 

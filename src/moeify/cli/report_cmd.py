@@ -19,8 +19,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeify.report.build import write_report
+    from moeify.report.build import read_runs, settings_note, write_report
 
     out = write_report(args.runs, args.out, args.overwrite)
+    note = settings_note(read_runs(args.runs))
+    if note:  # its first line: that the runs differ, and how the plot treats them
+        print(note.splitlines()[0].strip("*"))
     print(f"wrote {out}/report.md and its plots")
     return 0

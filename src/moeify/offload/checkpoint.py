@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -61,7 +62,10 @@ class TensorFiles:
         for file, file_names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name in file_names:
-                    tensors[name] = f.get_tensor(self.files[name][1]).clone()  # no view of the map outlives it
+                    tensors[name] = tensor = f.get_tensor(self.files[name][1]).clone()  # no view of the map outlives it
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        raise ValueError(f"{file}: the weight {name} holds NaN or Inf values; the checkpoint is "
+                                         "damaged: load it again from its source")
         return tensors
 
 

@@ -51,6 +51,28 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def settings(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The runs grouped by what makes their perplexities comparable: the base model and the evaluation text
+    (by content). Runs of different groups belong on no common front."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        text = r.get("data", {}).get("eval", {})
+        groups.setdefault((str(r.get("model")), str(text.get("sha256") or text.get("name"))), []).append(r)
+    return groups
+
+
+def settings_note(runs: list[dict[str, Any]]) -> str:
+    """A warning where the runs differ in base model or evaluation text (else nothing): their perplexities
+    are not comparable across settings, and each setting gets its own front."""
+    groups = settings(runs)
+    if len(groups) < 2:
+        return ""
+    lines = [f"- setting {n}: {group[0].get('model')}, evaluated on {group[0].get('data', {}).get('eval', {}).get('name')}"
+             f" ({', '.join(r['_name'] for r in group)})" for n, group in enumerate(groups.values(), start=1)]
+    return (f"**These runs differ in base model or evaluation text ({len(groups)} settings): compare perplexities "
+            "only within a setting; the plot draws a front per setting.**\n\n" + "\n".join(lines) + "\n")
+
+
 def recovery_curve(record: dict[str, Any]) -> list[tuple[int, float]]:
     """(tokens, perplexity) of a recovered run: before it (0 tokens), at each milestone, at the end."""
     recovery = record["recovery"]
@@ -99,10 +121,14 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
         # runs at (nearly) the same point get their labels stacked, not printed over each other
         twins = sum(1 for px, py in points[:n] if abs(px - x) < 0.01 and abs(py - y) <= 0.03 * max(py, y))
         ax.annotate(r["_name"], (x, y), textcoords="offset points", xytext=(4, 4 - 10 * twins), fontsize=8)
-    front = sorted(points[i] for i in pareto_front(points))
-    ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label="Pareto front")
-    dense = runs[0]["metrics"]["dense_ppl"]
-    ax.axhline(dense, color="black", lw=0.8, label=f"dense ({dense:.2f})")
+    groups = list(settings(runs).values())
+    for n, group in enumerate(groups, start=1):  # one front per setting: no front across base models or texts
+        own = [points[runs.index(r)] for r in group]
+        front = sorted(own[i] for i in pareto_front(own))
+        suffix = f" (setting {n})" if len(groups) > 1 else ""
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--", label=f"Pareto front{suffix}")
+        dense = group[0]["metrics"]["dense_ppl"]
+        ax.axhline(dense, color="black", lw=0.8, ls=":" if n > 1 else "-", label=f"dense{suffix} ({dense:.2f})")
     ax.set(xlabel="activated-parameter ratio (APR, measured)", ylabel="perplexity (log scale)", yscale="log",
            title="Quality vs activated parameters")
     ax.legend(fontsize=8)
@@ -135,6 +161,7 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
         for r in recovered:
             curve = recovery_curve(r)
             ax.plot([t for t, _ in curve], [ppl for _, ppl in curve], marker="o", label=r["_name"])
+        dense = recovered[0]["metrics"]["dense_ppl"]
         ax.axhline(dense, color="black", lw=0.8, label=f"dense ({dense:.2f})")
         ax.set(xlabel="recovery tokens", ylabel="perplexity (log scale)", yscale="log",
                title="Perplexity against recovery tokens")
@@ -160,7 +187,7 @@ def write_report(folders: list[Path], out: Path, overwrite: bool = False) -> Pat
     runs = read_runs(folders)
     images = plots(runs)
     with atomic_dir(out, overwrite=overwrite, command="report") as tmp:
-        text = "# moeify report\n\n" + markdown_table(runs) + "\n" + "".join(f"![{name}]({name})\n" for name in images)
+        text = "# moeify report\n\n" + settings_note(runs) + markdown_table(runs) + "\n" + "".join(f"![{name}]({name})\n" for name in images)
         (tmp / "report.md").write_text(text)
         for name, content in images.items():
             (tmp / name).write_bytes(content)

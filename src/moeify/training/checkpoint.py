@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +177,18 @@ def save_checkpoint(folder: Path, step: int, model: nn.Module, optimizer: torch.
     return target
 
 
+@contextmanager
+def _damaged(path: Path) -> Iterator[None]:
+    """A checkpoint file that cannot be read (truncated by a full disk, a partial copy) as one ``ValueError``
+    naming the step folder and what to do."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - json, safetensors and torch raise many types; all mean "damaged"
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: the checkpoint cannot be read ({type(error).__name__}: {detail}); delete this "
+                         "folder to resume from the checkpoint before it, or start again") from error
+
+
 def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     generator: torch.Generator, fingerprint: dict[str, Any]) -> Resumed:
     """Restore the latest checkpoint in ``folder`` into the model, optimizer and generators."""
@@ -182,7 +196,8 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     if not dirs:
         raise FileNotFoundError(f"resume was asked for, but {str(folder)!r} holds no checkpoint")
     path = dirs[-1]
-    state = json.loads((path / "state.json").read_text())
+    with _damaged(path):
+        state = json.loads((path / "state.json").read_text())
     if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format_version={state.get('format_version')} is not supported")
     saved = state["fingerprint"]
@@ -190,9 +205,10 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     if changed:
         diff = ", ".join(f"{k}: {saved.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)
         raise ValueError(f"cannot resume from {path}: the run differs from the checkpointed one ({diff})")
-    _restore_model_(model, path / "model.safetensors")
-    optimizer.load_state_dict(_restored_optimizer(path / "optimizer.safetensors", optimizer, state["optimizer"]))
-    rng = load_file(str(path / "rng.safetensors"))
+    with _damaged(path):
+        _restore_model_(model, path / "model.safetensors")
+        optimizer.load_state_dict(_restored_optimizer(path / "optimizer.safetensors", optimizer, state["optimizer"]))
+        rng = load_file(str(path / "rng.safetensors"))
     generator.set_state(rng["data"])
     torch.set_rng_state(rng["torch_cpu"])
     cuda = [rng[f"torch_cuda_{i}"] for i in range(sum(k.startswith("torch_cuda_") for k in rng))]
