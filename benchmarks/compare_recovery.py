@@ -41,6 +41,7 @@ METHOD_OPTIONS = {"tomoe.steps": "250", "dense2moe.steps": "30", "dense2moe.seq_
                   "more.target_pr": "0.56"}
 # activations kept for the backward pass: a 135M model at 4 x 512 tokens fits this machine without recomputing
 RECOVERY = {"recover_recompute": "false"}
+NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resumed)
 
 
 def command(out: Path, extra: list[str]) -> list[str]:
@@ -58,7 +59,7 @@ def collect(out: Path) -> list[dict[str, Any]]:
     stopped, to be resumed), the methods it has finished so far."""
     summaries = (json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else
                  [{"method": m, "matched": "(run not finished)", "folder": str(out / m)} if (out / m / "record.json").is_file()
-                  else {"method": m, "matched": "-", "error": "not run yet"} for m in METHODS])
+                  else {"method": m, "matched": "-", "error": NOT_RUN} for m in METHODS])
     rows = []
     for summary in summaries:
         row: dict[str, Any] = {"method": summary["method"], "matched": summary["matched"],
@@ -88,8 +89,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         lines.append(f"| {r['method']} | {r['apr']:.3f} | {r['ppl_before']:.2f} | {after} | "
                      f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
-    lines += [f"| {r['method']} | failed: {r['error']} |" for r in rows if "curve" not in r]
-    return "\n".join(lines)
+    lines += [f"| {r['method']} | {r['error'] if r['error'] == NOT_RUN else 'failed: ' + r['error']} |"
+              for r in rows if "curve" not in r]
+    dense = next((r["dense_ppl"] for r in rows if "curve" in r), None)
+    return "\n".join(lines) + ("" if dense is None else f"\n\nDense SmolLM2-135M on the same text: {dense:.2f}.")
 
 
 def main() -> None:

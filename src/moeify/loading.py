@@ -14,7 +14,6 @@ conversion of a GGUF model saves like any other.
 from __future__ import annotations
 
 import json
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -119,8 +119,9 @@ def test_a_base_install_has_every_package_moeify_imports():
     is a base dependency in pyproject.toml, except lm-eval (the ``eval`` extra), imported only by the
     harness bridge, which names the extra when it is missing, and vLLM, imported only by the serving
     check's child process, which runs in vLLM's own environment (benchmarks/make_vllm_venv.sh)."""
-    import tomllib
     from importlib.metadata import packages_distributions
+
+    import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     base = {re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}

@@ -201,13 +201,14 @@ def test_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
         main(["--debug", "eval", str(tmp_path / "nowhere" / "model")])
 
 
-def test_readme_smollm2_table_is_what_bench_real_prints_from_its_results():
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_real.py"
-    table = subprocess.run([sys.executable, str(script), "--markdown"], capture_output=True, text=True,
+@pytest.mark.parametrize("script", ["bench_real", "compare_recovery"])
+def test_readme_smollm2_tables_are_what_their_benchmarks_print_from_their_results(script):
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{script}.py"
+    table = subprocess.run([sys.executable, str(path), "--markdown"], capture_output=True, text=True,
                            check=True).stdout
-    start, end = "<!-- bench_real:start -->\n", "<!-- bench_real:end -->"
+    start, end = f"<!-- {script}:start -->\n", f"<!-- {script}:end -->"
     block = README.read_text().split(start, 1)[1].split(end, 1)[0]
-    assert block == table, "README.md's SmolLM2 table differs from `python benchmarks/bench_real.py --markdown`"
+    assert block == table, f"README.md's table differs from `python benchmarks/{script}.py --markdown`"
 
 
 def test_no_command_writes_into_what_it_reads(converted, tmp_path, capsys):

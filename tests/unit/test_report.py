@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from moeify.api.compare import matched_options
+from moeify.cli.main import main
 from moeify.methods import get_method
 from moeify.methods.cmoe.config import spec_for_share
-from moeify.cli.main import main
 from moeify.report.build import markdown_table, pareto_front
 
 

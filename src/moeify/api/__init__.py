@@ -8,11 +8,11 @@ from __future__ import annotations
 from moeify.api.analyze import LayerAnalysis, analyze_layers, save_analysis
 from moeify.api.compare import run_comparison
 from moeify.api.convert import convert, save
-from moeify.api.result import ConversionResult
 from moeify.api.evaluate import evaluate, set_runtime_options
 from moeify.api.export import check_formats, export_folder
 from moeify.api.plan import plan
 from moeify.api.recover import recover_run
+from moeify.api.result import ConversionResult
 from moeify.loading import EMBEDDED_MODEL, load, load_model
 
 __all__ = ["EMBEDDED_MODEL", "ConversionResult", "LayerAnalysis", "analyze_layers", "check_formats", "convert",

@@ -23,9 +23,9 @@ import torch
 
 from moeify.api.convert import convert, save
 from moeify.api.recover import prepare_teacher_cache, recovery_config, recovery_identity
+from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB
-from moeify.arch import DecoderAdapter
 from moeify.files import OutputExistsError, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method

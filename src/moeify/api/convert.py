@@ -23,8 +23,15 @@ from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_output_dir
-from moeify.loading import (EMBEDDED_MODEL, check_device, converted_method, load_config, load_model, model_source,
-                            working_dtype)
+from moeify.loading import (
+    EMBEDDED_MODEL,
+    check_device,
+    converted_method,
+    load_config,
+    load_model,
+    model_source,
+    working_dtype,
+)
 from moeify.methods import DEFAULT_METHOD, METHODS, ConversionContext, Method, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary

@@ -96,11 +96,6 @@ class FamilySpec:
         names = (self.gate_up_proj, self.gate_proj, self.up_proj, self.down_proj)
         return tuple(n for n in names if n is not None)
 
-    @property
-    def attn_projection_attrs(self) -> dict[str, str]:
-        """Role -> attribute of the attention module, in ``attn_projections`` order."""
-        return dict(self.attn_projections)
-
     def uses_parallel_residual(self, config: PretrainedConfig) -> bool:
         """Whether attention and MLP of this model read the same layer input (see the field comment)."""
         if self.parallel_residual_key is not None:

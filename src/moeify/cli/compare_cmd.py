@@ -50,10 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from moeify.api.recover import recovery_config
     from moeify.cli.recover_cmd import parse_milestones
     from moeify.files import check_not_an_input, output_lock
-    from moeify.methods import get_method
+    from moeify.methods import METHODS, get_method
     from moeify.options import parse_assignments
-
-    from moeify.methods import METHODS
 
     names = args.methods or ",".join(m.name for m in METHODS)
     methods = [m.strip() for m in names.split(",") if m.strip()]

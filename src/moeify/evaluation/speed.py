@@ -70,8 +70,8 @@ def macs_per_token(model: nn.Module, seq_len: int, measured: bool = False) -> fl
     """Multiply-accumulates per token: the activated projections (attention + MLP, as in the activated-
     parameter accounting), the attention scores (QK^T and AV over seq_len/2 keys on average, causal) and
     the LM head. Routers and norms are ignored (small)."""
-    from moeify.moe.accounting import activated_parameters
     from moeify.arch.standard_moe import decoder_layers
+    from moeify.moe.accounting import activated_parameters
 
     active = activated_parameters(model, measured=measured).active_params
     head = model.get_output_embeddings().weight.numel()

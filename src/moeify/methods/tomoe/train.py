@@ -169,7 +169,7 @@ def batch_statistics(counts: Tensor, shares: Tensor, widths: list[Tensor],
 
 def _fingerprint(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> dict[str, Any]:
     """What a resumed run must share with the checkpointed one (steps may grow: the lr is constant)."""
-    free = ("steps", "grad_accum", "resume", "checkpoint_every", "pseudo_moe", "recompute")
+    free = ("steps", "grad_accum", "resume", "checkpoint_every", "recompute")
     keep = {k: v for k, v in vars(cfg).items() if k not in free}
     return {"method": "tomoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
             "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
