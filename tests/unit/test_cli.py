@@ -1,6 +1,7 @@
 """The command line contract: convert, eval, methods, and clear errors before heavy work."""
 
 import dataclasses
+import importlib
 import json
 import signal
 import subprocess
@@ -273,3 +274,18 @@ def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_output(tmp_path, 
     [line] = [line for line in err.splitlines() if "error" in line.lower()]
     assert line.startswith("moeify convert: error: No space left on device (") and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary folder
+
+
+def test_a_calibration_text_too_short_for_the_method_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    convert_use_case = importlib.import_module("moeify.api.convert")  # the module, not the function it exports
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(convert_use_case, "load_model", loading)
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time.")
+    assert main(["convert", "--method", "cmoe", "--calib", str(short), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "short.txt: 18 tokens at most, fewer than the 8 windows of seq_len=512 (4096 tokens)" in err, err
+    assert not (tmp_path / "o").exists()

@@ -17,7 +17,7 @@ from moeify.api.recover import recovery_config, recovery_identity, run_recovery
 from moeify.api.result import ConversionResult
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
-from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text
+from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, check_enough_text, read_text
 from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
@@ -32,7 +32,7 @@ from moeify.loading import (
     model_source,
     working_dtype,
 )
-from moeify.methods import DEFAULT_METHOD, METHODS, ConversionContext, Method, get_method
+from moeify.methods import DEFAULT_METHOD, METHODS, Calibrated, ConversionContext, Method, get_method
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.offload import layered_of
@@ -104,6 +104,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     model_config = load_config(model)
     family_for(model_config)
     spec.check(config, model_config)
+    if isinstance(config, Calibrated) and isinstance(calib_source, TextSource):
+        check_enough_text(calib_source, *config.calibration_windows(model_config))
     recovery.check(model_config)
     if layer_by_layer:
         _check_layer_by_layer(spec, config, recovery)

@@ -131,6 +131,17 @@ def token_stream(source: Any, tokenizer: Any) -> Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def check_enough_text(source: TextSource, windows: int, seq_len: int) -> None:
+    """Refuse, before any model work, a text too short for ``windows`` disjoint windows of ``seq_len`` tokens
+    whatever the tokenizer: a token spans at least one UTF-8 byte (byte-level BPE, SentencePiece with byte
+    fallback), plus the BOS. The exact count (``calibration_batches``) follows once the text is tokenized."""
+    most = len(source.text.encode()) + 1
+    if most < windows * seq_len:
+        raise DataError(f"{source.name}: {most} tokens at most, fewer than the {windows} windows of seq_len={seq_len} "
+                        f"({windows * seq_len} tokens) the method draws; pass more text or lower calib_samples or "
+                        "seq_len")
+
+
 def calibration_batches(source: TextSource, tokenizer: Any, num_samples: int, seq_len: int, seed: int) -> Tensor:
     """``num_samples`` disjoint windows of ``seq_len`` tokens at random places of the stream:
     (num_samples, seq_len)."""

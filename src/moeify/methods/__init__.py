@@ -3,7 +3,7 @@ here (``methods/<name>/``) that owns everything about it; registering it is one 
 
 from __future__ import annotations
 
-from moeify.methods.base import ConversionContext, Method
+from moeify.methods.base import Calibrated, ConversionContext, Method
 from moeify.methods.cmoe import CMOE
 from moeify.methods.dense2moe import DENSE2MOE
 from moeify.methods.dsmoe import DSMOE
@@ -24,4 +24,4 @@ def get_method(name: str) -> Method:
     raise ValueError(f"unknown method {name!r}; available: {', '.join(m.name for m in METHODS)}")
 
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "ConversionContext", "Method", "get_method"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "Calibrated", "ConversionContext", "Method", "get_method"]

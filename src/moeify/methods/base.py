@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -17,6 +17,16 @@ from moeify.calibration.data import TextSource
 from moeify.offload import cast_new_state
 from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import set_packed_widths
+
+
+@runtime_checkable
+class Calibrated(Protocol):
+    """A method config that draws calibration windows from the calibration text: it declares how many and how
+    long, so that a text too short for them is refused before any model work."""
+
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        """(windows, tokens per window) the conversion draws for this model."""
+        ...
 
 
 @dataclass

@@ -65,6 +65,9 @@ class CmoeConfig(LoraOptions):
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(2048, model_config.max_position_embeddings)
 
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        return self.calib_samples, self.effective_seq_len(model_config)
+
 
 def spec_for_share(mlp_share: float) -> str:
     """The SxAyEz closest to ``mlp_share`` = (S+A)/E, preferring fewer experts, then S = A."""

@@ -75,6 +75,9 @@ class Dense2moeConfig:
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(1024, model_config.max_position_embeddings)
 
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        return self.calib_samples, self.effective_seq_len(model_config)
+
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
     """At top-1 a removed layer takes its attention and one MLP's worth of compute with it (its MLP lives on as

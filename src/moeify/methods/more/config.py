@@ -49,6 +49,9 @@ class MoreConfig:
             raise OptionError(f"num_experts={self.num_experts} must be <= the non-shared channels ({m - 1})")
         require_at_most("seq_len", self.seq_len, context, "the model's context")
 
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        return self.calib_samples, self.seq_len
+
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
     """``target_pr = 1 - apr`` on the default middle-deep layers, or on every layer when those cannot

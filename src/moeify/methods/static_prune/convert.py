@@ -53,7 +53,7 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
     adapter = ctx.adapter
     blocker = _attention_blocker(adapter, cfg)
     keep_share = _mlp_only_share(adapter, cfg.active_ratio) if blocker else cfg.active_ratio
-    seq_len = cfg.seq_len or min(2048, ctx.model.config.max_position_embeddings)
+    _, seq_len = cfg.calibration_windows(ctx.model.config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     kept, qk_kept, vo_kept = [], [], []
     steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)

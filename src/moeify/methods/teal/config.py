@@ -21,6 +21,9 @@ class TealConfig:
     def check(self, model_config: PreTrainedConfig) -> None:
         require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
 
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        return self.calib_samples, self.seq_len or min(2048, model_config.max_position_embeddings)
+
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
     """Every attention and MLP weight is a column of some thresholded projection, so APR ~ 1 - sparsity

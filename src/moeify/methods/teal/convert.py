@@ -42,7 +42,7 @@ def _replace(layer: nn.Module, name: str, module: nn.Module) -> None:
 
 def convert(ctx: ConversionContext, cfg: TealConfig) -> dict[str, Any]:
     adapter = ctx.adapter
-    seq_len = cfg.seq_len or min(2048, ctx.model.config.max_position_embeddings)
+    _, seq_len = cfg.calibration_windows(ctx.model.config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     thresholds: list[dict[str, float]] = []
     steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)

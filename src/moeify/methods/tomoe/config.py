@@ -55,6 +55,9 @@ class TomoeConfig:
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(256, model_config.max_position_embeddings)
 
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        return self.calib_samples, self.effective_seq_len(model_config)
+
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
     """p is the activated-parameter ratio itself (R_P, Eq. 8): ``active_ratio = apr``."""
