@@ -6,11 +6,14 @@ recovery text WikiText-2 valid and the evaluation text bench_real's (the first 1
 WikiText-2 raw test, 2048-token windows), the methods' own training at a CPU budget (``METHOD_OPTIONS``)
 and the recovery at moeify's defaults but for activation checkpointing (``RECOVERY``). Each method's record
 gives its perplexity before the recovery and after each budget, its APR measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
-``--markdown`` prints the table of what the results file holds and copies the run's curve next to it.
+``--markdown`` prints the table of what the results file holds; the run's curve is copied next to it.
+``--loss lm`` runs the same comparison for CMoE and static pruning with the LM loss in place of the
+distillation (``recover_lm_share=1``), into its own results file; its ``--markdown`` sets each budget's
+perplexity of both losses side by side.
 
-    python benchmarks/compare_recovery.py [--out benchmarks/results/models/compare_apr0.5] [--resume]
-    python benchmarks/compare_recovery.py --collect --out DIR   # the rows of a finished (or resumed) run
-    python benchmarks/compare_recovery.py --markdown
+    python benchmarks/compare_recovery.py [--loss kd|lm] [--out DIR] [--resume]
+    python benchmarks/compare_recovery.py [--loss kd|lm] --collect [--out DIR]  # rows of a run going or stopped
+    python benchmarks/compare_recovery.py [--loss kd|lm] --markdown
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +33,6 @@ MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_
 CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
 EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 EVAL_CHARS = 100_000
-RESULTS = HERE / "results" / "compare_recovery.jsonl"
-CURVE = HERE / "results" / "compare_recovery.png"
-OUT = HERE / "results" / "models" / "compare_apr0.5"
 # cmoe and static_prune first: their rows are also the distillation side of the LM-loss comparison
 METHODS = ("cmoe", "static_prune", "tomoe", "more", "teal", "dense2moe", "random_split")
 BUDGETS = (50_000, 100_000, 200_000)
@@ -44,22 +45,40 @@ RECOVERY = {"recover_recompute": "false"}
 NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resumed)
 
 
-def command(out: Path, extra: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Run:
+    """One comparison: its methods, its recovery options beside ``RECOVERY``, where its rows and curve go."""
+
+    methods: tuple[str, ...]
+    recovery: dict[str, str]
+    results: Path
+    curve: Path
+    out: Path
+
+
+RUNS = {"kd": Run(METHODS, {}, HERE / "results" / "compare_recovery.jsonl", HERE / "results" / "compare_recovery.png",
+                  HERE / "results" / "models" / "compare_apr0.5"),
+        "lm": Run(METHODS[:2], {"recover_lm_share": "1"}, HERE / "results" / "compare_recovery_lm.jsonl",
+                  HERE / "results" / "compare_recovery_lm.png", HERE / "results" / "models" / "compare_apr0.5_lm")}
+
+
+def command(run: Run, out: Path, extra: list[str]) -> list[str]:
     eval_file = out.parent / f"wikitext2_raw_test_first{EVAL_CHARS}.txt"
     eval_file.parent.mkdir(parents=True, exist_ok=True)
     eval_file.write_text(EVAL.read_text()[:EVAL_CHARS])
-    sets = [arg for key, value in {**METHOD_OPTIONS, **RECOVERY}.items() for arg in ("--set", f"{key}={value}")]
-    return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(METHODS), "--active", "0.5",
+    options = {key: value for key, value in METHOD_OPTIONS.items() if key.split(".")[0] in run.methods}
+    sets = [arg for key, value in {**options, **RECOVERY, **run.recovery}.items() for arg in ("--set", f"{key}={value}")]
+    return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(run.methods), "--active", "0.5",
             "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
             "--recover-tokens", ",".join(map(str, BUDGETS)), *sets, *extra]
 
 
-def collect(out: Path) -> list[dict[str, Any]]:
+def collect(run: Run, out: Path) -> list[dict[str, Any]]:
     """One row per method of the run in ``out``: its compare.json and records, or, for a run still going (or
     stopped, to be resumed), the methods it has finished so far."""
     summaries = (json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else
                  [{"method": m, "matched": "(run not finished)", "folder": str(out / m)} if (out / m / "record.json").is_file()
-                  else {"method": m, "matched": "-", "error": NOT_RUN} for m in METHODS])
+                  else {"method": m, "matched": "-", "error": NOT_RUN} for m in run.methods])
     rows = []
     for summary in summaries:
         row: dict[str, Any] = {"method": summary["method"], "matched": summary["matched"],
@@ -95,29 +114,52 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + ("" if dense is None else f"\n\nDense SmolLM2-135M on the same text: {dense:.2f}.")
 
 
+def versus(kd: list[dict[str, Any]], lm: list[dict[str, Any]]) -> str:
+    """Each method's perplexity after each budget, distilled and with the LM loss."""
+    finished = {(loss, r["method"]): r for loss, rows in (("distillation", kd), ("LM loss", lm)) for r in rows
+                if "curve" in r}
+    budgets = (0, *BUDGETS)
+    lines = ["| method | loss | PPL before | " + " | ".join(f"after {t // 1000}k" for t in BUDGETS) + " |",
+             "|---|---|" + "---|" * len(budgets)]
+    for method in RUNS["lm"].methods:
+        for loss in ("distillation", "LM loss"):
+            r = finished.get((loss, method))
+            cells = [f"{ppl:.2f}" for _, ppl in r["curve"]] if r else [NOT_RUN] + ["-"] * (len(budgets) - 1)
+            lines.append(f"| {method} | {loss} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rows_of(run: Run) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in run.results.read_text().splitlines()] if run.results.is_file() else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--loss", choices=sorted(RUNS), default="kd",
+                        help="kd: every method distilled (the table); lm: CMoE and static pruning with the LM loss")
+    parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --loss)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
     args = parser.parse_args()
+    run = RUNS[args.loss]
+    out = args.out or run.out
     if args.markdown:
-        print(markdown([json.loads(line) for line in RESULTS.read_text().splitlines()]))
+        print(markdown(rows_of(run)) if args.loss == "kd" else versus(rows_of(RUNS["kd"]), rows_of(run)))
         return
     if not args.collect:
-        done = subprocess.run(command(args.out, ["--resume"] if args.resume else []))
+        done = subprocess.run(command(run, out, ["--resume"] if args.resume else []), check=False)
         if done.returncode:
             sys.exit(done.returncode)
-    rows = collect(args.out)
-    RESULTS.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    report = args.out / "report"
+    rows = collect(run, out)
+    run.results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = out / "report"
     if not (report / "recovery.png").is_file():  # a run not finished: the report of the methods it has done
         from moeify.report.build import write_report
 
-        report = write_report([Path(r["folder"]) for r in rows if "curve" in r], args.out.parent / "compare_partial_report",
+        report = write_report([Path(r["folder"]) for r in rows if "curve" in r], out.parent / f"{out.name}_partial_report",
                               overwrite=True)
-    shutil.copyfile(report / "recovery.png", CURVE)
+    shutil.copyfile(report / "recovery.png", run.curve)
     print(markdown(rows))
 
 
