@@ -31,13 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_real import CALIB, EVAL, MODEL, MODELS  # this folder is on sys.path when run
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
-MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
-EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 OUT = Path(__file__).resolve().parent / "results" / "bench_recovery.jsonl"
-MODELS = Path(__file__).resolve().parent / "results" / "models"
 EVAL_SEQ_LEN = 2048
 EVAL_START = 500_000  # the evaluation slice starts here: apart from bench_real's and compare's first 100,000
 HELD_OUT_STEPS = 6  # the choice's criterion: the mean next-token loss of the last steps' windows, each unseen

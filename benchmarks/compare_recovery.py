@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
+
 HERE = Path(__file__).resolve().parent
-ASSETS = HERE.parents[1] / "shared" / "assets"
-MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
-EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 EVAL_CHARS = 100_000
 # cmoe and static_prune first: their rows are also the distillation side of the LM-loss comparison
 METHODS = ("cmoe", "static_prune", "tomoe", "more", "teal", "dense2moe", "random_split")
