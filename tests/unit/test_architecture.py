@@ -160,3 +160,21 @@ def test_the_help_names_every_supported_family():
 
     spelled = [name.lower().replace("-", "").replace("/llama3", "") for name in FAMILY_NAMES.split(", ")]
     assert spelled == [family.name.replace("_", "") for family in FAMILIES]
+
+
+def test_the_runtime_copied_beside_converted_models_imports_only_torch_transformers_and_itself():
+    """A converted folder loads with trust_remote_code and without moeify installed: the runtime files
+    copied into it may import the standard library, torch, transformers and each other only."""
+    from moeify.export.native import RUNTIME_FILES
+
+    allowed = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
+    for name in RUNTIME_FILES:
+        tree = ast.parse((SOURCE / "runtime" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert set(roots) <= allowed, f"runtime/{name}:{node.lineno} imports {roots}"

@@ -82,11 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moeify {args.command}: interrupted{_resume_hint(args, argv)}", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
         if args.debug:
             raise
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"moeify {args.command}: error: {message}", file=sys.stderr)
+        print(f"moeify {args.command}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # the system refused a read or write: disk full, permissions, a vanished file
         if args.debug or error.errno is None:

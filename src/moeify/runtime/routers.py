@@ -107,7 +107,7 @@ def top_k_experts(router: Router) -> float:
 def set_top_k(router: Router, name: str, value: Any) -> None:
     """The runtime option of every top-k router: ``top_k`` in [1, num_experts]."""
     if name != "top_k":
-        raise KeyError(f"router option {name!r} is unknown; options: top_k")
+        raise ValueError(f"router option {name!r} is unknown; options: top_k")
     if not 1 <= int(value) <= router.num_experts:
         raise ValueError(f"top_k={value} must be in [1, {router.num_experts}] (the routed experts)")
     router.top_k = int(value)
@@ -261,7 +261,7 @@ class ThresholdRouter(nn.Module):
 
     def set_option(self, name: str, value: Any) -> None:
         if name != "tau":
-            raise KeyError(f"router option {name!r} is unknown; options: tau")
+            raise ValueError(f"router option {name!r} is unknown; options: tau")
         self.tau = check_tau(value)
 
     def linear_form(self) -> LinearForm:
