@@ -10,7 +10,6 @@ or ``--overwrite`` (moeify's own earlier comparison is replaced whole).
 from __future__ import annotations
 
 import dataclasses
-import json
 import multiprocessing
 import shutil
 from concurrent.futures import ProcessPoolExecutor
@@ -26,6 +25,7 @@ from moeify.api.recover import prepare_teacher_cache, recovery_config, recovery_
 from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB
+from moeify.evaluation.record import read_record
 from moeify.files import OutputExistsError, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method
@@ -121,7 +121,7 @@ def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"method": run.method, "matched": run.matched}
     folder, work = run.out / run.method, run.out / f"{run.method}.work"
     if run.resume and _completed(folder):
-        record = json.loads((folder / "record.json").read_text())
+        record = read_record(folder)
         run_settings = ("seed", "device", "dtype")
         summary.update(options={k: v for k, v in record["config"].items() if k not in run_settings},
                        folder=str(folder), resumed=True)

@@ -28,4 +28,11 @@ def write_record(record: dict[str, Any], path: Path) -> Path:
 
 
 def read_record(folder: Path) -> dict[str, Any]:
-    return json.loads((Path(folder) / RECORD_NAME).read_text())
+    """The record of a run folder; a folder without one is not a moeify run (an error that says so)."""
+    path = Path(folder) / RECORD_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no {RECORD_NAME} (not a moeify run folder)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None

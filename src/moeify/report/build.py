@@ -7,21 +7,17 @@ per layer, and the measured speed-up against the dense model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from moeify.evaluation.perplexity import describe_change
-from moeify.evaluation.record import RECORD_NAME
+from moeify.evaluation.record import read_record
 
 
 def read_runs(folders: list[Path]) -> list[dict[str, Any]]:
     runs = []
     for folder in folders:
-        path = Path(folder) / RECORD_NAME
-        if not path.is_file():
-            raise FileNotFoundError(f"{folder} has no {RECORD_NAME} (not a moeify run folder)")
-        record = json.loads(path.read_text())
+        record = read_record(folder)
         record["_name"] = Path(folder).name
         runs.append(record)
     if not runs:
