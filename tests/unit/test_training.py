@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeify.training.checkpoint import latest_step
-from moeify.training.loop import Checkpointing, TrainPlan, train
+from moeify.training.loop import Checkpointing, TrainPlan, earlier_seconds, train
 from moeify.training.noise import step_noise, uniform
 from tests.helpers.tiny_models import tiny_model
 from tests.helpers.weights import assert_same_weights
@@ -67,6 +67,10 @@ def test_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert_same_weights(resumed, reference)
     assert log.losses == reference_log.losses  # the log of the steps before the kill came back too
     assert latest_step(tmp_path / "b") == 6
+    state = json.loads((tmp_path / "b" / "step-00000006" / "state.json").read_text())
+    assert 0 < log.earlier_seconds and state["log"]["seconds"] == pytest.approx(log.earlier_seconds + log.seconds)
+    assert earlier_seconds({"stage": log.summary(), "other": [{"earlier_seconds": 1.0}]}) == pytest.approx(
+        round(log.earlier_seconds, 3) + 1.0)  # what a resumed conversion adds to its own time
 
 
 def drift(model, reference, start):

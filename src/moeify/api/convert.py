@@ -39,6 +39,7 @@ from moeify.offload import layered_of
 from moeify.options import OptionError, build_config
 from moeify.planning import GIB, ModelShape
 from moeify.training.distributed import fsdp, world_size
+from moeify.training.loop import earlier_seconds
 from moeify.training.recovery import RecoveryOptions, split_recovery_options
 
 CHARS_PER_TOKEN = 3  # for the memory plan's count of evaluation tokens: English BPE averages 4 or more
@@ -138,7 +139,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
             details = spec.run(ctx, config)
     else:
         details = spec.run(ctx, config)
-    convert_s = time.perf_counter() - start
+    convert_s = time.perf_counter() - start + earlier_seconds(details)  # a resumed run: its whole time
     moe = ctx.model.eval()
     recovered = None
     if recovery.enabled:  # after the method's own training: a distillation from the dense model

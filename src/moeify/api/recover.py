@@ -63,7 +63,8 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
                              work_dir=work_dir, cache_dir=cache_dir,
                              milestones=tuple(m for m in milestones if m < options.recover_tokens),
                              on_milestone=evaluate, progress=progress)
-    return model, {**summary, "wall_s": time.perf_counter() - start, "options": vars(options),
+    wall_s = time.perf_counter() - start + summary["earlier_seconds"]  # a resumed recovery: its whole time
+    return model, {**summary, "wall_s": wall_s, "options": vars(options),
                    "calib": {"name": calib.name, "sha256": calib.sha256}}
 
 

@@ -85,6 +85,17 @@ class WarmupConstant:
         return min(1.0, (step + 1) / self.warmup)
 
 
+def earlier_seconds(details: Any) -> float:
+    """The training time of runs before a resume, summed over every ``TrainLog.summary`` in a method's
+    details (its stages may each have resumed), so that a resumed conversion records its whole time."""
+    if isinstance(details, dict):
+        return float(details.get("earlier_seconds") or 0.0) + sum(earlier_seconds(v) for k, v in details.items()
+                                                                   if k != "earlier_seconds")
+    if isinstance(details, list):
+        return sum(earlier_seconds(v) for v in details)
+    return 0.0
+
+
 def scale_lr_(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Every group's rate := factor x its base rate, kept as ``initial_lr`` (as torch's schedulers do), which
     the optimizer state, hence a checkpoint, carries."""
@@ -134,13 +145,15 @@ class Checkpointing:
 
 @dataclass
 class TrainLog:
-    """Per-step losses and parts; ``seconds``: wall time of the steps this process ran; ``trainable_params``:
-    the parameters the optimizer updates."""
+    """Per-step losses and parts; ``seconds``: wall time of the steps this process ran; ``earlier_seconds``:
+    that of the runs before a resume, up to the checkpoint it continues (a checkpoint holds the sum, so a
+    run resumed twice counts every part); ``trainable_params``: the parameters the optimizer updates."""
 
     losses: list[float] = field(default_factory=list)
     parts: dict[str, list[float]] = field(default_factory=dict)  # every logged part, per step
     resumed_from: int | None = None
     seconds: float = 0.0
+    earlier_seconds: float = 0.0
     trainable_params: int = 0
 
     def append(self, values: dict[str, float]) -> None:
@@ -150,12 +163,13 @@ class TrainLog:
                 self.parts.setdefault(name, []).append(value)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"losses": self.losses, "parts": self.parts}
+        return {"losses": self.losses, "parts": self.parts, "seconds": self.earlier_seconds + self.seconds}
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"steps": len(self.losses), "first_loss": self.losses[0], "last_loss": self.losses[-1],
                                "losses": [round(x, 5) for x in self.losses], "resumed_from": self.resumed_from,
-                               "seconds": round(self.seconds, 3), "trainable_params": self.trainable_params}
+                               "seconds": round(self.seconds, 3), "earlier_seconds": round(self.earlier_seconds, 3),
+                               "trainable_params": self.trainable_params}
         for name, values in self.parts.items():
             out[f"first_{name}"], out[f"last_{name}"] = values[0], values[-1]
         return out
@@ -204,7 +218,8 @@ def _start(model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.
     precision.load_state(resumed.scaler)
     if resumed.step > steps:
         raise ValueError(f"the checkpoint is at step {resumed.step}, beyond steps={steps}")
-    log = TrainLog(resumed.log["losses"], resumed.log["parts"], resumed_from=resumed.step)
+    log = TrainLog(resumed.log["losses"], resumed.log["parts"], resumed_from=resumed.step,
+                   earlier_seconds=resumed.log.get("seconds", 0.0))
     return resumed.step, log
 
 
@@ -283,6 +298,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                 if after_step is not None:
                     after_step()
                 log.append(sums)
+                log.seconds = time.perf_counter() - began
                 bar.set_postfix(loss=f"{sums['loss']:.4f}")
                 done = step + 1
                 if checkpointing is not None and (done == plan.steps or
@@ -291,7 +307,6 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                         save_checkpoint(checkpointing.folder, done, model, optimizer, generator, log.as_dict(),
                                         checkpointing.fingerprint, precision.state(), write=is_main())
                     barrier()
-            log.seconds = time.perf_counter() - began
     finally:
         model.eval()
     return log
