@@ -119,7 +119,7 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
         ax.annotate(r["_name"], (x, y), textcoords="offset points", xytext=(4, 4 - 10 * twins), fontsize=8)
     groups = list(settings(runs).values())
     for n, group in enumerate(groups, start=1):  # one front per setting: no front across base models or texts
-        own = [points[runs.index(r)] for r in group]
+        own = [(r["active"]["apr"], r["metrics"]["ppl"]) for r in group]
         front = sorted(own[i] for i in pareto_front(own))
         suffix = f" (setting {n})" if len(groups) > 1 else ""
         ax.plot([p[0] for p in front], [p[1] for p in front], "--", label=f"Pareto front{suffix}")
