@@ -118,6 +118,6 @@ def summary_rows(rec: dict) -> list[tuple[str, str]]:
     if rec["speed"]:
         s = rec["speed"]
         rows.append((f"tokens/s dense -> MoE ({s['batch_size']}x{s['seq_len']}, median of {s['repeats']})",
-                     f"{s['dense_tokens_per_s']:,.0f} -> {s['tokens_per_s']:,.0f} ({s['speedup']:.2f}x; spread "
-                     f"{100 * s['spread']['dense']:.0f}% / {100 * s['spread']['moe']:.0f}%)"))
+                     f"{s['dense_tokens_per_s']:,.0f} -> {s['tokens_per_s']:,.0f} ({s['speedup']:.2f}x; slowest - fastest "
+                     f"run, of the median: dense {100 * s['spread']['dense']:.0f}%, MoE {100 * s['spread']['moe']:.0f}%)"))
     return rows
