@@ -161,6 +161,7 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
         ax.axhline(dense, color="black", lw=0.8, label=f"dense ({dense:.2f})")
         ax.set(xlabel="recovery tokens", ylabel="perplexity (log scale)", yscale="log",
                title="Perplexity against recovery tokens")
+        ax.xaxis.set_major_formatter(lambda tokens, _: f"{tokens / 1000:g}k")
         ax.legend(fontsize=8)
         out["recovery.png"] = png(fig)
 
