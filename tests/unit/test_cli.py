@@ -164,7 +164,7 @@ def test_an_interrupted_training_names_its_last_checkpoint_and_the_resume_comman
 def test_the_resume_hint_asks_for_resume_once(tmp_path):
     from argparse import Namespace
 
-    from moeify.cli.main import _resume_hint
+    from moeify.cli.main import _resume_hint, build_parser
 
     (tmp_path / "run.work" / "dsmoe_checkpoints" / "step-00000003").mkdir(parents=True)
     argv = ["convert", "--method", "dsmoe", "--out", str(tmp_path / "run")]
@@ -289,3 +289,11 @@ def test_a_calibration_text_too_short_for_the_method_is_refused_before_the_model
     err = capsys.readouterr().err
     assert "short.txt: 18 tokens at most, fewer than the 8 windows of seq_len=512 (4096 tokens)" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_compare_names_the_command_that_continues_it(tmp_path):
+    from moeify.cli.main import _resume_hint, build_parser
+
+    argv = ["compare", "--methods", "cmoe,tomoe", "--out", str(tmp_path / "cmp")]
+    hint = _resume_hint(build_parser().parse_args(argv), argv)
+    assert hint.endswith(f"continue from its last checkpoint with: moeify compare --methods cmoe,tomoe --out {tmp_path / 'cmp'} --resume")

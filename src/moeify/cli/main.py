@@ -57,6 +57,10 @@ def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
     from moeify.training.recovery import CHECKPOINTS
 
     out = getattr(args, "out", None)
+    if getattr(args, "command", None) == "compare":  # its methods' checkpoints live in their own work folders
+        again = argv if "--resume" in argv else [*argv, "--resume"]
+        return ("; the methods it finished are kept, and each one's training continues from its last checkpoint "
+                f"with: {' '.join(shlex.quote(a) for a in ['moeify', *again])}")
     work = None if out is None else work_dir(Path(out))
     recovery = None if work is None else last_checkpoint(work, only=CHECKPOINTS)  # the stage that ran last
     last = recovery or (None if work is None else last_checkpoint(work))
