@@ -296,4 +296,4 @@ def test_an_interrupted_compare_names_the_command_that_continues_it(tmp_path):
 
     argv = ["compare", "--methods", "cmoe,tomoe", "--out", str(tmp_path / "cmp")]
     hint = _resume_hint(build_parser().parse_args(argv), argv)
-    assert hint.endswith(f"continue from its last checkpoint with: moeify compare --methods cmoe,tomoe --out {tmp_path / 'cmp'} --resume")
+    assert hint.endswith(f"continues from its last checkpoint with: moeify compare --methods cmoe,tomoe --out {tmp_path / 'cmp'} --resume")
