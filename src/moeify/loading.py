@@ -28,6 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from moeify.export.native import is_native_folder, load_native, native_config, native_model_class
 from moeify.files import MOEIFY_KEY
 from moeify.offload import layered_model
+from moeify.offload.checkpoint import check_finite
 
 EMBEDDED_MODEL = "embedded:stories260K"
 GGUF_SUFFIX = ".gguf"
@@ -118,23 +119,18 @@ def load_config(model: str | Path | None) -> PreTrainedConfig:
 def converted_method(model: str | Path | None) -> str | None:
     """The method that converted ``model`` where it is a folder moeify converted, else None."""
     source = model_source(model)
-    folder = Path(source.path)
-    if source.gguf_file is not None or not folder.is_dir():
+    config = Path(source.path) / "config.json"
+    if source.gguf_file is not None or not config.is_file():
         return None
     with _read_errors(source.path, "config.json"):
-        if not is_native_folder(folder):
-            return None
-        return str(json.loads((folder / "config.json").read_text())[MOEIFY_KEY].get("method") or "moeify")
+        block = json.loads(config.read_text()).get(MOEIFY_KEY)
+    return None if block is None else str(block.get("method") or "moeify")
 
 
-def check_finite(model: torch.nn.Module, source: object) -> None:
-    """Refuse weights that hold NaN or Inf (a damaged or overflowed checkpoint): every result computed from
-    them would be NaN, found only after the work. The first such tensor is named."""
+def _check_weights(model: torch.nn.Module, source: object) -> None:
+    """Every weight of a loaded model finite (``check_finite``): the first that is not is named."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"{source}: the weight {name} holds {bad} NaN or Inf value(s) of {tensor.numel()}; "
-                             "the checkpoint is damaged: load it again from its source")
+        check_finite(name, tensor, source)
 
 
 def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None) -> PreTrainedModel:
@@ -175,7 +171,7 @@ def load_model(model: str | Path | None = None, device: str = "cpu", dtype: str 
         else:
             dtype = working_dtype(dtype, AutoConfig.from_pretrained(source.path))
             model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device).eval()
-    check_finite(model, source)
+    _check_weights(model, source)
     return model, tokenizer
 
 
@@ -220,7 +216,7 @@ def _load_gguf(source: ModelSource, device: str, dtype: torch.dtype) -> tuple[Pr
     with _gguf_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.kwargs)
-    check_finite(model, source)
+    _check_weights(model, source)
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.config.name_or_path = str(source)

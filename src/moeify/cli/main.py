@@ -57,7 +57,7 @@ def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
     from moeify.training.recovery import CHECKPOINTS
 
     out = getattr(args, "out", None)
-    if getattr(args, "command", None) == "compare":  # its methods' checkpoints live in their own work folders
+    if args.command == "compare":  # its methods' checkpoints live in their own work folders
         again = argv if "--resume" in argv else [*argv, "--resume"]
         return ("; the methods it finished are kept, and each one's training continues from its last checkpoint "
                 f"with: {' '.join(shlex.quote(a) for a in ['moeify', *again])}")
@@ -67,7 +67,7 @@ def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
     if last is None:
         return "; no training checkpoint was written, nothing to resume"
     given = parse_assignments(getattr(args, "set", None) or [])
-    flags = [] if getattr(args, "command", None) == "recover" else ["resume"]  # a recovery follows a finished training
+    flags = [] if args.command == "recover" else ["resume"]  # a recovery follows a finished training
     if recovery is not None:
         flags.append("recover_resume")
     missing = [f"{flag}=true" for flag in flags if not parse_bool(flag, given.get(flag, "false"))]

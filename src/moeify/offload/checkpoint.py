@@ -62,11 +62,18 @@ class TensorFiles:
         for file, file_names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name in file_names:
-                    tensors[name] = tensor = f.get_tensor(self.files[name][1]).clone()  # no view of the map outlives it
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                        raise ValueError(f"{file}: the weight {name} holds NaN or Inf values; the checkpoint is "
-                                         "damaged: load it again from its source")
+                    tensors[name] = f.get_tensor(self.files[name][1]).clone()  # no view of the map outlives it
+                    check_finite(name, tensors[name], file)
         return tensors
+
+
+def check_finite(name: str, tensor: Tensor, source: object) -> None:
+    """Refuse a weight that holds NaN or Inf (a damaged or overflowed checkpoint): every result computed from
+    it would be NaN, found only after the work."""
+    if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{source}: the weight {name} holds {bad} NaN or Inf value(s) of {tensor.numel()}; the "
+                         "checkpoint is damaged: load it again from its source")
 
 
 def write_tensors(tensors: dict[str, Tensor], path: Path) -> None:
