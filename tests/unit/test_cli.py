@@ -170,7 +170,7 @@ def test_the_resume_hint_asks_for_resume_once(tmp_path):
     argv = ["convert", "--method", "dsmoe", "--out", str(tmp_path / "run")]
     for sets in ([], ["resume=true"]):  # a first run, then a resumed one stopped again
         given = [*argv, *(arg for pair in sets for arg in ("--set", pair))]
-        hint = _resume_hint(Namespace(out=tmp_path / "run", set=sets), given)
+        hint = _resume_hint(Namespace(command="convert", out=tmp_path / "run", set=sets), given)
         assert "(step 00000003)" in hint and hint.endswith("--set resume=true") and hint.count("resume=true") == 1
     (tmp_path / "run.work" / "recovery_checkpoints" / "step-00000002").mkdir(parents=True)  # then a recovery
     hint = _resume_hint(Namespace(command="convert", out=tmp_path / "run", set=[]), argv)
