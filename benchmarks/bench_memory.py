@@ -1,4 +1,4 @@
-"""Peak memory of conversions of a ~1.1B-parameter model against ``moeify plan``'s estimate.
+"""Peak memory of conversions against ``moeify plan``'s estimate: a ~1.1B-parameter model, or SmolLM2-135M.
 
 The model is LLaMA-shaped (hidden 2048, MLP 5632, 22 layers, 32 query / 4 key-value heads, vocabulary
 32,000: TinyLlama's shape), randomly initialised from a fixed seed and saved in bfloat16 (~2.2 GB) with
@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from moeify import convert, load
 from moeify.calibration.data import EMBEDDED_EVAL, read_text
 from moeify.loading import load_model
+from moeify.methods import METHODS
 from moeify.planning import GIB
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -37,6 +38,7 @@ SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num
 OPTIONS = {"calib_samples": "4", "seq_len": "128"}
 EVAL_SEQ_LEN = 256
 EVAL_CHARS = 12_000  # about 3,000 tokens: at least one full batch of 8 windows of 256
+SMOLLM2_STEPS = {"tomoe": {"steps": "5"}, "dsmoe": {"steps": "5"}, "dense2moe": {"steps": "5"}}
 
 
 def build(folder: Path) -> None:
@@ -62,9 +64,11 @@ finally:
 """
 
 
-def measure(model_dir: Path, method: str, eval_file: Path, out: Path, layer_by_layer: bool) -> dict:
-    options = [arg for key, value in OPTIONS.items() for arg in ("--set", f"{key}={value}")]
-    command = [sys.executable, "-c", CHILD, "convert", str(model_dir), "--method", method, *options,
+def measure(model: Path, method: str, options: dict[str, str], eval_file: Path, out: Path,
+            layer_by_layer: bool, calib: Path | None = None) -> dict:
+    sets = [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+    sets += ["--calib", str(calib)] if calib else []
+    command = [sys.executable, "-c", CHILD, "convert", str(model), "--method", method, *sets,
                "--eval", str(eval_file), "--seq-len", str(EVAL_SEQ_LEN), "--no-speed", "--out", str(out)]
     command += ["--layer-by-layer"] if layer_by_layer else []
     start = time.perf_counter()
@@ -75,17 +79,18 @@ def measure(model_dir: Path, method: str, eval_file: Path, out: Path, layer_by_l
     peak = int(child.stderr.strip().splitlines()[-1].split()[1]) * 1024
     record = json.loads((out / "record.json").read_text())
     plan = record["memory"]["plan_gib"] * GIB
-    return {"method": method, "options": OPTIONS, "layer_by_layer": layer_by_layer,
+    files = [model] if model.is_file() else list(model.glob("*.safetensors"))
+    return {"model": model.name, "method": method, "options": options, "layer_by_layer": layer_by_layer,
             "peak_rss_gib": round(peak / GIB, 2), "plan_gib": record["memory"]["plan_gib"],
             "plan_phase": record["memory"]["plan_phase"], "plan_over_measured": round(plan / peak, 3),
             "seconds": round(seconds, 1), "ppl": record["metrics"]["ppl"],
-            "checkpoint_gib": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / GIB, 2)}
+            "checkpoint_gib": round(sum(f.stat().st_size for f in files) / GIB, 2)}
 
 
-def matches_whole(model_dir: Path, method: str, eval_file: Path, saved: Path) -> dict:
+def matches_whole(model: Path, method: str, options: dict[str, str], eval_file: Path, saved: Path) -> dict:
     """The same conversion made with the whole model in memory: its perplexity, and the largest logit
     difference between it and the saved layer-by-layer conversion, loaded (0.0: identical)."""
-    whole = convert(model_dir, method, OPTIONS, eval=eval_file, eval_seq_len=EVAL_SEQ_LEN, measure_speed=False,
+    whole = convert(model, method, options, eval=eval_file, eval_seq_len=EVAL_SEQ_LEN, measure_speed=False,
                     check_memory=False)
     loaded = load(saved)
     ids = torch.arange(2, 130)[None]
@@ -97,19 +102,28 @@ def matches_whole(model_dir: Path, method: str, eval_file: Path, saved: Path) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "moeify-llama-1.1b")
-    parser.add_argument("--methods", default="cmoe,more,static_prune")
+    parser.add_argument("--methods", help="comma-separated (default: cmoe,more,static_prune; with --smollm2 all)")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="convert SmolLM2-135M (../shared/assets) at each method's default options")
     parser.add_argument("--layer-by-layer", action="store_true",
                         help="hold the model one decoder layer at a time, and compare with a whole-model conversion")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_memory.jsonl")
     args = parser.parse_args()
-    build(args.model_dir)
+    if args.smollm2:
+        from bench_real import CALIB as calib, MODEL as model
+
+        methods = args.methods or ",".join(m.name for m in METHODS)
+    else:
+        model, methods, calib = args.model_dir, args.methods or "cmoe,more,static_prune", None
+        build(model)
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = Path(tmp) / "eval.txt"
         eval_file.write_text(read_text(EMBEDDED_EVAL).text[:EVAL_CHARS])
-        for method in args.methods.split(","):
-            row = measure(args.model_dir, method, eval_file, Path(tmp) / method, args.layer_by_layer)
+        for method in methods.split(","):
+            options = SMOLLM2_STEPS.get(method, {}) if args.smollm2 else OPTIONS
+            row = measure(model, method, options, eval_file, Path(tmp) / method, args.layer_by_layer, calib)
             if args.layer_by_layer:
-                row.update(matches_whole(args.model_dir, method, eval_file, Path(tmp) / method))
+                row.update(matches_whole(model, method, options, eval_file, Path(tmp) / method))
             print(json.dumps(row), flush=True)
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")

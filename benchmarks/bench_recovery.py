@@ -82,7 +82,8 @@ def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eva
     from moeify.calibration.data import read_text, token_stream
     from moeify.loading import load_model
     from moeify.options import build_config
-    from moeify.training.recovery import RecoveryOptions, recover
+    from moeify.training.recovery import recover
+    from moeify.training.recovery_options import RecoveryOptions
 
     teacher, tokenizer = load_model(str(MODEL))
     student = moeify.load(folder)

@@ -29,6 +29,10 @@ class OutputLockedError(FileExistsError):
     pass
 
 
+class NoSpaceError(ValueError):
+    """The output's disk has too little free space for what the command will write there."""
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -93,6 +97,20 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     except OSError as error:
         raise OutputExistsError(f"cannot write the output {str(out)!r}: {parent} is not writable "
                                 f"({error.strerror})") from None
+
+
+def check_free_disk(out: Path, needed: int, what: str, flag: str = "--out") -> None:
+    """Refuse, before the work, an output whose disk has less free space than ``needed`` bytes (``what`` says
+    what will be written); the space a folder being replaced frees is not counted, so the check errs on the
+    side of refusing only what cannot fit even then."""
+    out = Path(out)
+    where = _nearest_existing(out.parent)
+    free = shutil.disk_usage(where).free
+    if out.is_dir():
+        free += sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    if free < needed:
+        raise NoSpaceError(f"{flag} {str(out)!r}: {what} needs about {needed / 2**30:.2f} GiB and the disk at "
+                           f"{where} has {free / 2**30:.2f} GiB free; free some space there or choose another {flag}")
 
 
 @contextmanager

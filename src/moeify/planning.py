@@ -125,6 +125,12 @@ class MemoryPlan:
         return self.process + max(sum(parts.values()) for parts in self.phases.values())
 
     @property
+    def output_bytes(self) -> int:
+        """The saved model's size: the dense model's parameters in the working dtype (a conversion keeps every
+        MLP weight or fewer, and adds routers of well under 1 %)."""
+        return self.shape.params * self.dtype.itemsize
+
+    @property
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
 

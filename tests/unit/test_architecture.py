@@ -154,6 +154,27 @@ def test_the_command_line_parses_without_torch():
     assert loaded.strip() == "[]" and float(seconds) < 1.0
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["convert", "--method", "cmoe", "--set", "spec=S1A1", "--out", "{tmp}/o"], "spec='S1A1' must look like"),
+    (["convert", "--method", "tomoe", "--set", "stpes=3", "--out", "{tmp}/o"], "unknown option"),
+    (["convert", "--method", "more", "--set", "recover_lr=0", "--out", "{tmp}/o"], "recover_lr=0"),
+    (["plan", "--method", "dsmoe", "--set", "tau=2"], "tau=2"),
+    (["recover", "{tmp}", "--tokens", "100", "--set", "recover_top_k=-1", "--out", "{tmp}/r"], "recover_top_k=-1"),
+    (["compare", "--methods", "cmoe", "--recover-tokens", "100", "--set", "recover_parts=heads", "--out", "{tmp}/c"],
+     "recover_parts='heads'"),
+])
+def test_a_bad_option_is_refused_before_torch_is_imported(argv, message, tmp_path):
+    """A command validates its options against the method's config and the recovery's before it imports
+    torch and transformers' models (seconds): the method registry and every config import neither."""
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    script = ("import sys; from moeify.cli.main import main; code = main(sys.argv[1:]); "
+              "print(code, [m for m in ('torch', 'transformers') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", script, *argv], env={"PYTHONPATH": str(ROOT / "src")},
+                            capture_output=True, text=True)
+    assert result.stdout.strip() == "2 []", result.stdout + result.stderr
+    assert message in result.stderr, result.stderr
+
+
 def test_the_help_names_every_supported_family():
     from moeify.arch.families import FAMILIES
     from moeify.cli.main import FAMILY_NAMES

@@ -29,7 +29,7 @@ def methods_markdown(capsys) -> str:
 
 
 def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsys):
-    from moeify.training.recovery import RecoveryOptions
+    from moeify.training.recovery_options import RecoveryOptions
 
     *sections, recovery = methods_markdown(capsys).split("### ")[1:]
     assert [section.split("\n", 1)[0] for section in sections] == [f"`{method.name}`" for method in METHODS]
@@ -289,6 +289,25 @@ def test_a_calibration_text_too_short_for_the_method_is_refused_before_the_model
     err = capsys.readouterr().err
     assert "short.txt: 18 tokens at most, fewer than the 8 windows of seq_len=512 (4096 tokens)" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_output_disk_without_room_for_the_model_is_refused_before_the_model_loads(converted, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import shutil
+
+    convert_use_case = importlib.import_module("moeify.api.convert")
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(convert_use_case, "load_model", loading)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    assert main(["convert", "--method", "cmoe", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --out" in err and "the converted model needs about 0.00 GiB" in err and "has 0.00 GiB free" in err
+    assert main(["recover", str(converted), "--tokens", "64", "--out", str(tmp_path / "r")]) == 2
+    assert "the recovered model (as large as the conversion's weights) needs about" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_interrupted_compare_names_the_command_that_continues_it(tmp_path):

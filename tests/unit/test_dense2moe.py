@@ -12,8 +12,8 @@ from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
 from moeify.methods.dense2moe import Dense2moeConfig
-from moeify.methods.dense2moe.build import (Span, expert_sources, fold_mlp_norm, rank_spans, select_span,
-                                            select_spans, span_sizes)
+from moeify.methods.dense2moe.build import Span, expert_sources, fold_mlp_norm, rank_spans, select_span, select_spans
+from moeify.methods.dense2moe.config import span_sizes
 from moeify.methods.dense2moe.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.options import OptionError, build_config

@@ -19,7 +19,8 @@ from moeify.training.losses import (
     top_k_targets,
 )
 from moeify.training.parts import PARTS, parameter_parts
-from moeify.training.recovery import RecoveryOptions, recover, split_recovery_options
+from moeify.training.recovery import recover
+from moeify.training.recovery_options import RecoveryOptions, split_recovery_options
 from moeify.training.teacher import LiveTeacher
 from tests.helpers.conversion import FAST
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model

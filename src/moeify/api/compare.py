@@ -80,24 +80,6 @@ def _resume_flags(method: Method, work: Path) -> dict[str, Any]:
     return flags
 
 
-def split_options(pairs: dict[str, Any], methods: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """``--set`` values of a comparison: ``METHOD.KEY`` for one method, ``recover_*`` for every method's
-    recovery; returns (per-method options, recovery options)."""
-    per_method: dict[str, dict[str, Any]] = {method: {} for method in methods}
-    shared: dict[str, Any] = {}
-    for key, value in pairs.items():
-        method, dot, name = key.partition(".")
-        if dot:
-            if method not in per_method:
-                raise ValueError(f"--set {key}: {method!r} is not one of the compared methods ({', '.join(methods)})")
-            per_method[method][name] = value
-        elif key.startswith("recover_"):
-            shared[key] = value
-        else:
-            raise ValueError(f"--set {key}: name the method (METHOD.{key}) or give a recovery option (recover_*)")
-    return per_method, shared
-
-
 @dataclass(frozen=True)
 class MethodRun:
     """What converting one method of a comparison needs (picklable: it may run in a worker process)."""

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeify.api.plan import check_fits, method_plan
-from moeify.api.recover import recovery_config, recovery_identity, run_recovery
+from moeify.api.recover import recovery_identity, run_recovery
 from moeify.api.result import ConversionResult
 from moeify.arch import family_for
 from moeify.calibration.corpus import read_corpus
@@ -22,7 +22,7 @@ from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.export.native import save_native
-from moeify.files import atomic_dir, check_output_dir
+from moeify.files import atomic_dir, check_free_disk, check_output_dir
 from moeify.loading import (
     EMBEDDED_MODEL,
     check_device,
@@ -32,15 +32,15 @@ from moeify.loading import (
     model_source,
     working_dtype,
 )
-from moeify.methods import DEFAULT_METHOD, METHODS, Calibrated, ConversionContext, Method, get_method
+from moeify.methods import DEFAULT_METHOD, METHODS, Calibrated, ConversionContext, Method, method_configs
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.offload import layered_of
-from moeify.options import OptionError, build_config
+from moeify.options import OptionError
 from moeify.planning import GIB, ModelShape
 from moeify.training.distributed import fsdp, world_size
 from moeify.training.loop import earlier_seconds
-from moeify.training.recovery import RecoveryOptions, split_recovery_options
+from moeify.training.recovery_options import RecoveryOptions
 
 CHARS_PER_TOKEN = 3  # for the memory plan's count of evaluation tokens: English BPE averages 4 or more
 
@@ -70,7 +70,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
             seed: int = 0, device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
             measure_speed: bool = True, progress: bool = False, work_dir: str | Path | None = None,
             check_memory: bool = True, layer_by_layer: bool = False, recover_milestones: tuple[int, ...] = (),
-            teacher_cache: str | Path | None = None) -> ConversionResult:
+            teacher_cache: str | Path | None = None, out: str | Path | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
     ``calib``: the calibration/training text, a file, a folder or a list (large corpora are streamed from a
@@ -87,11 +87,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     whole model). ``recover_*`` options add a recovery after the method's own work (``moeify.api.recover``): its
     perplexity is also measured after each of ``recover_milestones`` tokens, and ``teacher_cache`` is where
     a top-k teacher cache is kept (default: ``work_dir``; ``moeify compare`` shares one among its methods).
+    ``out``: where the result will be saved; its disk must have room for the saved model.
     Everything that can be validated is validated before the model's weights are loaded."""
-    spec = get_method(method)
-    method_options, recovery_options = split_recovery_options(options or {})
-    config = build_config(spec.config_cls, method_options)
-    recovery = recovery_config(recovery_options)
+    spec, config, recovery = method_configs(method, options)
     calib_source = read_corpus(calib or EMBEDDED_CALIB)
     eval_sources = [read_text(e) for e in (eval if isinstance(eval, list) else [eval or EMBEDDED_EVAL])]
     eval_source = eval_sources[0]
@@ -125,6 +123,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
                          recovery)
     if check_memory:
         check_fits(memory, device, spec.layer_by_layer and not getattr(config, "finetunes", False))
+    if out is not None:
+        check_free_disk(Path(out), memory.output_bytes, "the converted model")
     dense, tokenizer = load_model(model, device, dtype, layer_by_layer)
     dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, measure_speed, progress)
     ctx = ConversionContext(dense, tokenizer, calib_source, seed, torch.device(device), progress,

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from moeify.loading import load_config, model_source, working_dtype
-from moeify.methods import Method, get_method
-from moeify.options import OptionError, build_config
+from moeify.methods import Method, method_configs
+from moeify.options import OptionError
 from moeify.planning import (
     FROZEN_IN_FLOAT32,
     GIB,
@@ -22,7 +22,7 @@ from moeify.planning import (
     plan_memory,
     preset_shape,
 )
-from moeify.training.recovery import RecoveryOptions, split_recovery_options
+from moeify.training.recovery_options import RecoveryOptions
 
 
 def model_shape(model: str | Path | None) -> ModelShape:
@@ -39,10 +39,7 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16). ``layer_by_layer``: held
     a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows);
     ``shards``: per process of a training sharded over that many (``convert --fsdp`` under torchrun)."""
-    spec = get_method(method)
-    method_options, recovery_options = split_recovery_options(options or {})
-    config = build_config(spec.config_cls, method_options)
-    recovery = build_config(RecoveryOptions, recovery_options)
+    spec, config, recovery = method_configs(method, options)
     shape = model_shape(model)
     default = torch.bfloat16 if str(model) in PRESETS else None
     work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default

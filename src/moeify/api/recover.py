@@ -27,7 +27,8 @@ from moeify.methods import get_method
 from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
 from moeify.planning import GIB, MethodMemory, ModelShape, plan_memory
-from moeify.training.recovery import RecoveryOptions, recover, teacher_cache
+from moeify.training.recovery import recover, teacher_cache
+from moeify.training.recovery_options import RecoveryOptions
 
 SEED_OFFSET = 2  # the recovery's windows are drawn apart from the method's own training (seed + 1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from moeify.cli.common import add_device_arguments
 
@@ -44,14 +45,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def split_options(pairs: dict[str, Any], methods: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``--set`` values of a comparison: ``METHOD.KEY`` for one method, ``recover_*`` for every method's
+    recovery; returns (per-method options, recovery options)."""
+    per_method: dict[str, dict[str, Any]] = {method: {} for method in methods}
+    shared: dict[str, Any] = {}
+    for key, value in pairs.items():
+        method, dot, name = key.partition(".")
+        if dot:
+            if method not in per_method:
+                raise ValueError(f"--set {key}: {method!r} is not one of the compared methods ({', '.join(methods)})")
+            per_method[method][name] = value
+        elif key.startswith("recover_"):
+            shared[key] = value
+        else:
+            raise ValueError(f"--set {key}: name the method (METHOD.{key}) or give a recovery option (recover_*)")
+    return per_method, shared
+
+
 def run(args: argparse.Namespace) -> int:
-    from moeify.api import run_comparison
-    from moeify.api.compare import split_options
-    from moeify.api.recover import recovery_config
     from moeify.cli.recover_cmd import parse_milestones
     from moeify.files import check_not_an_input, output_lock
     from moeify.methods import METHODS, get_method
-    from moeify.options import parse_assignments
+    from moeify.options import build_config, parse_assignments
+    from moeify.training.recovery_options import RecoveryOptions
 
     names = args.methods or ",".join(m.name for m in METHODS)
     methods = [m.strip() for m in names.split(",") if m.strip()]
@@ -66,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     budgets = parse_milestones(args.recover_tokens)
     if recovery and not budgets:
         raise ValueError("recover_* options need a budget: --recover-tokens N")
-    recovery_config({**recovery, "recover_tokens": max(budgets, default=0)})  # bad values fail before any work
+    build_config(RecoveryOptions, {**recovery, "recover_tokens": max(budgets, default=0)})  # fail before any work
+    from moeify.api import run_comparison
+
     with output_lock(args.out):
         summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
                                    seed=args.seed, device=args.device, dtype=args.dtype,

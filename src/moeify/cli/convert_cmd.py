@@ -60,15 +60,18 @@ def work_dir(out: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     import moeify
     from moeify.files import check_not_an_input, check_output_dir, output_lock
+    from moeify.methods import method_configs
     from moeify.options import parse_assignments
+
+    options = parse_assignments(args.set)
+    method_configs(args.method, options)  # a bad option is refused before torch is imported
+    check_not_an_input(args.out, [args.model, *(args.calib or []), *(args.eval or [])])
+    check_output_dir(args.out, args.overwrite)
     from moeify.training.distributed import init_from_env, is_main, launched
 
     if args.fsdp and not launched():
         raise ValueError("--fsdp shards training over processes: start moeify with torchrun --nproc_per_node N "
                          "(N >= 2)")
-    options = parse_assignments(args.set)
-    check_not_an_input(args.out, [args.model, *(args.calib or []), *(args.eval or [])])
-    check_output_dir(args.out, args.overwrite)
     init_from_env(args.device, fsdp=args.fsdp)  # under torchrun: every process converts, the training shares each batch
     work = work_dir(args.out)
     # a second convert into the same --out is refused, naming this one; under torchrun the main process holds it
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         result = moeify.convert(args.model, args.method, options, calib=args.calib, eval=args.eval,
                                 seed=args.seed, device=args.device, dtype=args.dtype, eval_seq_len=args.seq_len,
                                 measure_speed=not args.no_speed, progress=is_main(), work_dir=work,
-                                check_memory=not args.no_memory_check, layer_by_layer=args.layer_by_layer)
+                                check_memory=not args.no_memory_check, layer_by_layer=args.layer_by_layer,
+                                out=args.out)
         if not is_main():
             return 0  # the main process writes and reports
         for warning in result.warnings:

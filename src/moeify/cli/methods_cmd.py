@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 def listing() -> str:
     """The plain listing: per method its summary, paper and options with type, default and help."""
     from moeify.methods import METHODS
-    from moeify.training.recovery import RecoveryOptions
+    from moeify.training.recovery_options import RecoveryOptions
 
     lines = []
     for method in METHODS:
@@ -63,7 +63,7 @@ def markdown() -> str:
     """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options; then the
     recovery's options, which every method takes."""
     from moeify.methods import METHODS
-    from moeify.training.recovery import RecoveryOptions
+    from moeify.training.recovery_options import RecoveryOptions
 
     lines = []
     for method in METHODS:

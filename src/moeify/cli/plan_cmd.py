@@ -39,15 +39,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeify.api.plan import plan
-    from moeify.methods import DEFAULT_METHOD, get_method
+    from moeify.methods import DEFAULT_METHOD, get_method, method_configs
     from moeify.options import parse_assignments
 
     args.method = get_method(args.method or DEFAULT_METHOD).name  # an unknown name fails here, naming the methods
     if args.table:
         print(table(args.layer_by_layer))
         return 0
-    memory = plan(args.model, args.method, parse_assignments(args.set), dtype=args.dtype, eval_seq_len=args.seq_len,
+    options = parse_assignments(args.set)
+    method_configs(args.method, options)  # a bad option is refused before torch is imported
+    from moeify.api.plan import plan
+
+    memory = plan(args.model, args.method, options, dtype=args.dtype, eval_seq_len=args.seq_len,
                   device=args.device, layer_by_layer=args.layer_by_layer, shards=args.fsdp)
     record = memory.as_dict()
     if args.json:

@@ -55,11 +55,10 @@ def parse_milestones(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     import moeify
-    from moeify.api.recover import recover_run
     from moeify.cli.convert_cmd import summary_rows, work_dir
-    from moeify.files import check_not_an_input, check_output_dir, output_lock
-    from moeify.options import parse_assignments
-    from moeify.training.distributed import init_from_env, is_main
+    from moeify.files import check_free_disk, check_not_an_input, check_output_dir, output_lock
+    from moeify.options import build_config, parse_assignments
+    from moeify.training.recovery_options import RecoveryOptions
 
     options = parse_assignments(args.set)
     if "recover_tokens" in options:
@@ -67,9 +66,15 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(k for k in options if not k.startswith("recover_"))
     if unknown:
         raise ValueError(f"recover takes recovery options (recover_*) only; got {', '.join(unknown)}")
+    build_config(RecoveryOptions, {**options, "recover_tokens": args.tokens})  # refused before torch is imported
     milestones = parse_milestones(args.milestones)
     check_not_an_input(args.out, [args.run_dir, *(args.calib or []), args.eval, args.teacher])
     check_output_dir(args.out, args.overwrite)
+    weights = sum(f.stat().st_size for f in Path(args.run_dir).glob("*.safetensors"))
+    check_free_disk(args.out, weights, "the recovered model (as large as the conversion's weights)")
+    from moeify.api.recover import recover_run
+    from moeify.training.distributed import init_from_env, is_main
+
     init_from_env(args.device)
     work = work_dir(args.out)
     with output_lock(args.out) if is_main() else contextlib.nullcontext():

@@ -3,6 +3,8 @@ here (``methods/<name>/``) that owns everything about it; registering it is one 
 
 from __future__ import annotations
 
+from typing import Any
+
 from moeify.methods.base import Calibrated, ConversionContext, Method
 from moeify.methods.cmoe import CMOE
 from moeify.methods.dense2moe import DENSE2MOE
@@ -12,6 +14,8 @@ from moeify.methods.random_split import RANDOM_SPLIT
 from moeify.methods.static_prune import STATIC_PRUNE
 from moeify.methods.teal import TEAL
 from moeify.methods.tomoe import TOMOE
+from moeify.options import build_config
+from moeify.training.recovery_options import RecoveryOptions, split_recovery_options
 
 METHODS: tuple[Method, ...] = (CMOE, MORE, TOMOE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT, TEAL)  # baselines last
 DEFAULT_METHOD = METHODS[0].name
@@ -24,4 +28,12 @@ def get_method(name: str) -> Method:
     raise ValueError(f"unknown method {name!r}; available: {', '.join(m.name for m in METHODS)}")
 
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "Calibrated", "ConversionContext", "Method", "get_method"]
+def method_configs(name: str, options: dict[str, Any] | None) -> tuple[Method, Any, RecoveryOptions]:
+    """The method ``name``, its config and the recovery's from one ``--set`` dictionary, validated; it imports
+    nothing heavy, so a command refuses a bad option at once."""
+    method = get_method(name)
+    method_options, recovery_options = split_recovery_options(options or {})
+    return method, build_config(method.config_cls, method_options), build_config(RecoveryOptions, recovery_options)
+
+
+__all__ = ["DEFAULT_METHOD", "METHODS", "Calibrated", "ConversionContext", "Method", "get_method", "method_configs"]

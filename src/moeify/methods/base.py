@@ -1,22 +1,38 @@
-"""What every method gets (a conversion context) and what it registers (a ``Method``)."""
+"""What every method gets (a conversion context) and what it registers (a ``Method``).
+
+The registry is read before anything heavy is imported: a command validates its options against a method's
+config in a fraction of a second, before the seconds that importing torch and transformers' models take.
+So this module, and every method's ``config.py`` and ``__init__.py``, import neither: a ``Method`` names its
+code as ``Deferred`` functions, imported on their first call."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-from torch import Tensor
-from transformers import PreTrainedConfig, PreTrainedModel
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+    from transformers import PreTrainedConfig, PreTrainedModel
 
-from moeify.arch import DecoderAdapter
-from moeify.calibration.corpus import FileCorpus
-from moeify.calibration.data import TextSource
-from moeify.offload import cast_new_state
-from moeify.planning import MethodMemory, ModelShape, method_memory
-from moeify.runtime.moe import set_packed_widths
+    from moeify.arch import DecoderAdapter
+    from moeify.calibration.corpus import FileCorpus
+    from moeify.calibration.data import TextSource
+    from moeify.planning import MethodMemory, ModelShape
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The function ``name`` of ``module``, imported when it is first called."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
 
 
 @runtime_checkable
@@ -47,12 +63,15 @@ class ConversionContext:
 
     @property
     def adapter(self) -> DecoderAdapter:
+        from moeify.arch import DecoderAdapter
+
         return DecoderAdapter(self.model)
 
 
-BudgetMatcher = Callable[[float, DecoderAdapter], tuple[list[dict[str, Any]], str]]
-RuntimeOption = Callable[[PreTrainedModel, Any], Callable[[], None]]
-ModelAnalysis = Callable[[PreTrainedModel, Tensor, torch.device, bool], tuple[dict[str, Any], dict[str, bytes]]]
+BudgetMatcher = Callable[[float, "DecoderAdapter"], tuple[list[dict[str, Any]], str]]
+RuntimeOption = Callable[["PreTrainedModel", Any], Callable[[], None]]
+ModelAnalysis = Callable[["PreTrainedModel", "Tensor", "torch.device", bool],
+                         tuple[dict[str, Any], dict[str, bytes]]]
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,7 @@ class Method:
     model_analysis: ModelAnalysis | None = None
     paper_ratio: str = "apr"
     partitions_mlp: bool = False
-    memory: Callable[[ModelShape, Any, int], MethodMemory] = method_memory
+    memory: Callable[[ModelShape, Any, int], MethodMemory] = Deferred("moeify.planning", "method_memory")
     inference_copy: bool = True
     layer_by_layer: bool = False
 
@@ -104,6 +123,9 @@ class Method:
         masks in float32, and what they made is cast back, so a bfloat16 model converts to a bfloat16 one.
         Buffers the model had before keep their dtype (rotary frequencies stay float32, as transformers
         keeps them)."""
+        from moeify.offload import cast_new_state
+        from moeify.runtime.moe import set_packed_widths
+
         dtype = next(ctx.model.parameters()).dtype
         kept = {name for name, _ in ctx.model.named_buffers()}
         details = self.convert(ctx, config)

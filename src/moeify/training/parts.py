@@ -19,20 +19,9 @@ from moeify.arch import DecoderAdapter
 from moeify.runtime.experts import SharedNeuronExperts
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.sparse_inputs import ThresholdedLinear
+from moeify.training.recovery_options import PARTS
 
-PARTS = ("routers", "experts", "shared", "attention", "norms")
 LINEAR_PARTS = ("experts", "shared", "attention")  # the parts whose projections an adapter (LoRA) can wrap
-
-
-def parse_parts(text: str) -> tuple[str, ...]:
-    """``"experts,shared"`` -> ``("experts", "shared")``; unknown or no names raise ``ValueError``."""
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in PARTS]
-    if unknown or not names:
-        raise ValueError(f"recover_parts={text!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no part'}; "
-                         f"choose a comma-separated subset of {', '.join(PARTS)}")
-    return names
-
 
 def _mlp_part(layer: nn.Module, name: str) -> str:
     """The part of parameter ``name`` (relative to layer i's MLP slot)."""

@@ -33,20 +33,19 @@ the router still built from each group's representative neuron.
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.cmoe.config import CmoeConfig, match_budget
-from moeify.methods.cmoe.convert import convert, memory
 
 CMOE = Method(
     name="cmoe",
     paper="Pei et al., CMoE: Fast Carving of Mixture-of-Experts for Efficient LLM Inference, 2025 (arXiv:2502.04416)",
     summary="training-free carving: activation profiling, shared experts, balanced k-means, analytic router",
     config_cls=CmoeConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.cmoe.convert", "convert"),
     match_budget=match_budget,
     paper_ratio="ffn",
     partitions_mlp=True,
-    memory=memory,
+    memory=Deferred("moeify.methods.cmoe.convert", "memory"),
     layer_by_layer=True,
 )
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from transformers import PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
-from moeify.moe.accounting import mlp_share_for_apr
 from moeify.options import OptionError, method_config, option, require_at_most
-from moeify.training.lora import LoraOptions
+from moeify.training.lora_options import LoraOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 _SPEC = re.compile(r"^S(\d+)A(\d+)E(\d+)$")
 
@@ -79,6 +80,8 @@ def spec_for_share(mlp_share: float) -> str:
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
     """The S/A/E spec (E in 8/16/32, S and A as equal as possible) whose MLP share (S+A)/E is closest to
     the share that activated-parameter ratio ``apr`` needs."""
+    from moeify.moe.accounting import mlp_share_for_apr
+
     share = mlp_share_for_apr(apr, adapter)
     spec = spec_for_share(share)
     return [{"spec": spec}], f"spec={spec} (MLP share {share:.3f} needed)"

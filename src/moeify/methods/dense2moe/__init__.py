@@ -66,10 +66,8 @@
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
-from moeify.methods.dense2moe.analysis import similarity_analysis
+from moeify.methods.base import Deferred, Method
 from moeify.methods.dense2moe.config import Dense2moeConfig, match_budget
-from moeify.methods.dense2moe.convert import convert
 
 DENSE2MOE = Method(
     name="dense2moe",
@@ -78,9 +76,9 @@ DENSE2MOE = Method(
     summary="remove redundant layers (similarity of layer outputs / MLP inputs), fuse their MLPs as experts "
             "of the kept layer (softmax top-k), fine-tune",
     config_cls=Dense2moeConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.dense2moe.convert", "convert"),
     match_budget=match_budget,
-    model_analysis=similarity_analysis,
+    model_analysis=Deferred("moeify.methods.dense2moe.analysis", "similarity_analysis"),
     paper_ratio="model",
 )
 

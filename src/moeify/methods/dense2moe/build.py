@@ -67,11 +67,6 @@ def select_span(s_l: list[list[float]], s_m: list[list[float]], delta: float, pr
                       f"(layer {closest.layer}, n={closest.n}): raise delta above it")
 
 
-def span_sizes(prune_layers: int, spans: int) -> list[int]:
-    """``prune_layers`` removed layers split into ``spans`` spans as evenly as possible, largest first."""
-    return [prune_layers // spans + (i < prune_layers % spans) for i in range(spans)]
-
-
 def select_spans(s_l: list[list[float]], s_m: list[list[float]], delta: float, sizes: list[int]) -> list[Span]:
     """One span per size, chosen greedily (largest first, each the first in S_L order that qualifies) with
     no layer in common: the "top-k redundant layers" of §4.1 need not be contiguous. In layer order."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from transformers import PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
-from moeify.methods.dense2moe.build import span_sizes
 from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 PAPER_LAYERS, PAPER_PRUNED = 24, 5  # §4.2: Qwen2.5-0.5B (24 layers), the top-5 redundant layers pruned, N = 6
 
@@ -77,6 +78,11 @@ class Dense2moeConfig:
 
     def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
         return self.calib_samples, self.effective_seq_len(model_config)
+
+
+def span_sizes(prune_layers: int, spans: int) -> list[int]:
+    """``prune_layers`` removed layers split into ``spans`` spans as evenly as possible, largest first."""
+    return [prune_layers // spans + (i < prune_layers % spans) for i in range(spans)]
 
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:

@@ -8,8 +8,8 @@ from typing import Any
 from moeify.calibration.data import calibration_batches
 from moeify.calibration.similarity import layer_similarity, similarity_heatmaps
 from moeify.methods.base import ConversionContext
-from moeify.methods.dense2moe.build import expert_sources, fuse_layers_, rank_spans, select_spans, span_sizes
-from moeify.methods.dense2moe.config import Dense2moeConfig
+from moeify.methods.dense2moe.build import expert_sources, fuse_layers_, rank_spans, select_spans
+from moeify.methods.dense2moe.config import Dense2moeConfig, span_sizes
 from moeify.options import require_work_dir_for_resume
 
 

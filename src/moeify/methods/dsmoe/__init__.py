@@ -38,9 +38,8 @@ is in ``benchmarks/bench_dsmoe.py`` and the README.
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.dsmoe.config import DsmoeConfig
-from moeify.methods.dsmoe.convert import analyze, convert, memory
 
 DSMOE = Method(
     name="dsmoe",
@@ -48,9 +47,9 @@ DSMOE = Method(
           "Dense LLMs, EMNLP 2025 (arXiv:2502.12455)",
     summary="contiguous FFN blocks, sigmoid-threshold gates trained with STE + sparsity loss; tau at run time",
     config_cls=DsmoeConfig,
-    convert=convert,
-    analyze=analyze,
-    memory=memory,
+    convert=Deferred("moeify.methods.dsmoe.convert", "convert"),
+    analyze=Deferred("moeify.methods.dsmoe.convert", "analyze"),
+    memory=Deferred("moeify.methods.dsmoe.convert", "memory"),
     unmatched="its sparsity is learned (threshold tau), not set by a budget",
     paper_ratio="model",
     partitions_mlp=True,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
-
-from transformers import PreTrainedConfig
+from typing import TYPE_CHECKING, Literal
 
 from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 @method_config

@@ -41,19 +41,18 @@ of converted layers solved so that its PR matches the full variant's (Table 10).
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.more.config import MoreConfig, match_budget
-from moeify.methods.more.convert import convert, memory
 
 MORE = Method(
     name="more",
     paper="Zhang et al., Less Prune, MoRE Experts: Recognizing and Restructuring Latent Experts for Model Compression",
     summary="training-free: co-activation backbone + spectral petals, cosine-prototype routing, layer budget",
     config_cls=MoreConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.more.convert", "convert"),
     match_budget=match_budget,
     partitions_mlp=True,
-    memory=memory,
+    memory=Deferred("moeify.methods.more.convert", "memory"),
     layer_by_layer=True,
 )
 

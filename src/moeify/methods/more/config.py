@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from transformers import PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
 from moeify.methods.more.layer_budget import (
     candidate_layers,
 )
 from moeify.options import OptionError, method_config, option, require_at_most
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 
 @method_config

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.cmoe.config import CmoeConfig, match_budget
-from moeify.methods.cmoe.convert import convert
 from moeify.options import method_config, option
 
 
@@ -23,7 +22,7 @@ RANDOM_SPLIT = Method(
           "representative-neuron router so that it can run without training",
     summary="baseline: random neuron split into shared/routed experts, options as cmoe",
     config_cls=RandomSplitConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.cmoe.convert", "convert"),
     match_budget=match_budget,
     paper_ratio="ffn",
     partitions_mlp=True,

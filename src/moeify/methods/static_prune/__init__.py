@@ -29,9 +29,8 @@ Choices:
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.static_prune.config import StaticPruneConfig, match_budget
-from moeify.methods.static_prune.convert import convert
 
 STATIC_PRUNE = Method(
     name="static_prune",
@@ -39,7 +38,7 @@ STATIC_PRUNE = Method(
           "activation-aware importance (Wanda-style; Sun et al., 2024), as compared against in ToMoE and MoRE",
     summary="baseline: static head-dim + MLP-channel pruning at a matched activated-parameter ratio, no routing",
     config_cls=StaticPruneConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.static_prune.convert", "convert"),
     match_budget=match_budget,
     inference_copy=False,
     layer_by_layer=True,

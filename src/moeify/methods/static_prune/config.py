@@ -3,13 +3,15 @@ the optional LoRA fine-tune (the same budget a fine-tuned method gets)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from transformers import PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
 from moeify.options import method_config, option, require_at_most
-from moeify.training.lora import LoraOptions
+from moeify.training.lora_options import LoraOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 
 @method_config

@@ -24,9 +24,8 @@ Choices:
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.teal.config import TealConfig, match_budget
-from moeify.methods.teal.convert import convert
 
 TEAL = Method(
     name="teal",
@@ -34,7 +33,7 @@ TEAL = Method(
           "(arXiv:2408.14690)",
     summary="baseline: magnitude thresholds on every projection's inputs, calibrated to a target sparsity",
     config_cls=TealConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.teal.convert", "convert"),
     match_budget=match_budget,
     inference_copy=False,
     layer_by_layer=True,

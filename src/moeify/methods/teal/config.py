@@ -3,12 +3,14 @@ thresholds."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
 from moeify.options import method_config, option, require_at_most
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 
 @method_config

@@ -37,11 +37,8 @@ Choices where the paper is open:
 
 from __future__ import annotations
 
-from moeify.methods.base import Method
+from moeify.methods.base import Deferred, Method
 from moeify.methods.tomoe.config import TomoeConfig, match_budget
-from moeify.methods.tomoe.convert import convert
-from moeify.methods.tomoe.pseudo_moe import set_pseudo_moe
-from moeify.methods.tomoe.train import memory
 
 TOMOE = Method(
     name="tomoe",
@@ -49,10 +46,10 @@ TOMOE = Method(
           "Structural Pruning, TMLR 2025 (arXiv:2501.15316)",
     summary="hypernetwork-learned top-1 MLP experts and head-dim attention pruning, weights frozen (KD)",
     config_cls=TomoeConfig,
-    convert=convert,
+    convert=Deferred("moeify.methods.tomoe.convert", "convert"),
     match_budget=match_budget,
-    runtime_options={"pseudo_moe": set_pseudo_moe},
-    memory=memory,
+    runtime_options={"pseudo_moe": Deferred("moeify.methods.tomoe.pseudo_moe", "set_pseudo_moe")},
+    memory=Deferred("moeify.methods.tomoe.train", "memory"),
     inference_copy=False,
 )
 

@@ -3,12 +3,14 @@ regulariser weights (the paper's defaults, Table 8 and §4)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from transformers import PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
 from moeify.options import method_config, option, require_at_most, require_multiple
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 
 @method_config

@@ -1,0 +1,51 @@
+"""The light fine-tuning options (``lora.py``) that a method config inherits: a module of their own, free of
+torch, so that a command validates them before it imports the training code."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from moeify.options import OptionError, option, require_multiple
+
+if TYPE_CHECKING:
+    from moeify.training.loop import TrainPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraOptions:
+    """The fine-tuning options a method config inherits (its ``validate`` calls ``check_lora``)."""
+
+    finetune_steps: int = option(0, "light fine-tuning steps on random windows (0 and finetune_samples=0: "
+                                    "training-free)", low=0)
+    finetune_samples: int = option(0, "fine-tune for one pass over this many disjoint windows instead of "
+                                      "finetune_steps (the CMoE paper: 2048)", low=0)
+    finetune_batch_size: int = option(4, "fine-tuning sequences per step", low=1)
+    finetune_seq_len: int | None = option(None, "fine-tuning window length (default: the calibration seq_len)",
+                                          low=2)
+    grad_accum: int = option(1, "fine-tuning micro-batches per step (finetune_batch_size must be a multiple)", low=1)
+    recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
+                                   "recomputed in the backward pass (far less memory, about 1/3 more compute)")
+    lr: float = option(5.95e-5, "learning rate of the LoRA weights (CMoE paper)", low=0.0, low_open=True)
+    lora_rank: int = option(8, "LoRA rank", low=1)
+    lora_alpha: float = option(32.0, "LoRA alpha", low=0.0, low_open=True)
+    lora_dropout: float = option(0.0, "LoRA dropout (the CMoE reference code uses 0.1)", low=0.0, high=0.99)
+
+    def check_lora(self) -> None:
+        require_multiple("finetune_batch_size", self.finetune_batch_size, "grad_accum", self.grad_accum)
+        if self.finetune_steps and self.finetune_samples:
+            raise OptionError(f"finetune_steps={self.finetune_steps} and finetune_samples={self.finetune_samples} "
+                              "are alternatives: set one of them")
+
+    @property
+    def finetunes(self) -> bool:
+        return bool(self.finetune_steps or self.finetune_samples)
+
+    def plan(self, calib_seq_len: int) -> TrainPlan:
+        from moeify.training.loop import TrainPlan, epoch
+
+        shape = {"seq_len": self.finetune_seq_len or calib_seq_len, "grad_accum": self.grad_accum,
+                 "recompute": self.recompute}
+        if self.finetune_samples:
+            return epoch(self.finetune_samples, self.finetune_batch_size, **shape)
+        return TrainPlan(steps=self.finetune_steps, batch_size=self.finetune_batch_size, **shape)
