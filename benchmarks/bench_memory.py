@@ -99,6 +99,24 @@ def matches_whole(model: Path, method: str, options: dict[str, str], eval_file: 
     return {"whole_model_ppl": whole.record["metrics"]["ppl"], "max_logit_difference_to_whole": difference}
 
 
+def markdown(results: Path) -> str:
+    """One table per model of the latest row per method (and layer-by-layer or not): peak, plan and their ratio."""
+    latest: dict[tuple[str, str, bool], dict] = {}
+    for line in results.read_text().splitlines():
+        row = json.loads(line)
+        latest[row.get("model", "moeify-llama-1.1b"), row["method"], bool(row.get("layer_by_layer"))] = row
+    models = list(dict.fromkeys(model for model, _, _ in latest))
+    out = []
+    for model in models:
+        out += [f"{model}:", "", "| method | held | peak RSS GiB | plan GiB (phase) | plan / measured |",
+                "|---|---|---|---|---|"]
+        out += [f"| {method} | {'layer by layer' if layered else 'whole'} | {row['peak_rss_gib']:.2f} | "
+                f"{row['plan_gib']:.2f} ({row['plan_phase']}) | {row['plan_over_measured']:.2f} |"
+                for (name, method, layered), row in latest.items() if name == model]
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "moeify-llama-1.1b")
@@ -108,7 +126,11 @@ def main() -> None:
     parser.add_argument("--layer-by-layer", action="store_true",
                         help="hold the model one decoder layer at a time, and compare with a whole-model conversion")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_memory.jsonl")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of the results file and exit")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.out))
+        return
     if args.smollm2:
         from bench_real import CALIB as calib, MODEL as model
 

@@ -6,7 +6,7 @@ recovery text WikiText-2 valid and the evaluation text bench_real's (the first 1
 WikiText-2 raw test, 2048-token windows), the methods' own training at a CPU budget (``METHOD_OPTIONS``)
 and the recovery at moeify's defaults but for activation checkpointing (``RECOVERY``). Each method's record
 gives its perplexity before the recovery and after each budget, its APR measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
-``--markdown`` prints the table of what the results file holds; the run's curve is copied next to it.
+``--markdown`` prints the table of what the results file holds; the run's curve is copied into ``docs/assets/``.
 ``--loss lm`` runs the same comparison for CMoE and static pruning with the LM loss in place of the
 distillation (``recover_lm_share=1``), into its own results file; its ``--markdown`` sets each budget's
 perplexity of both losses side by side.
@@ -54,10 +54,11 @@ class Run:
     out: Path
 
 
-RUNS = {"kd": Run(METHODS, {}, HERE / "results" / "compare_recovery.jsonl", HERE / "results" / "compare_recovery.png",
+FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/results.md
+RUNS = {"kd": Run(METHODS, {}, HERE / "results" / "compare_recovery.jsonl", FIGURES / "compare_recovery.png",
                   HERE / "results" / "models" / "compare_apr0.5"),
         "lm": Run(METHODS[:2], {"recover_lm_share": "1"}, HERE / "results" / "compare_recovery_lm.jsonl",
-                  HERE / "results" / "compare_recovery_lm.png", HERE / "results" / "models" / "compare_apr0.5_lm")}
+                  FIGURES / "compare_recovery_lm.png", HERE / "results" / "models" / "compare_apr0.5_lm")}
 
 
 def command(run: Run, out: Path, extra: list[str]) -> list[str]:

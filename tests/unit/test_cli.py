@@ -14,7 +14,9 @@ import pytest
 from moeify.cli.main import main
 from moeify.methods import METHODS
 
-README = Path(__file__).parents[2] / "README.md"
+ROOT = Path(__file__).parents[2]
+README = ROOT / "README.md"
+METHODS_PAGE = ROOT / "docs" / "methods.md"
 
 
 def test_methods_lists_every_method_with_paper_and_options(capsys):
@@ -45,13 +47,13 @@ def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsy
         assert all(row.count(" | ") == 3 for row in rows), rows  # a bare | in a cell would add a column
 
 
-def test_readme_method_options_are_the_generated_ones(capsys):
-    text = README.read_text()
+def test_the_documented_method_options_are_the_generated_ones(capsys):
+    text = METHODS_PAGE.read_text()
     start, end = "<!-- methods:start -->\n", "<!-- methods:end -->"
     assert text.count(start) == 1 and text.count(end) == 1
     block = text.split(start, 1)[1].split(end, 1)[0]
     assert block == methods_markdown(capsys), \
-        "README.md's method options differ from the code: paste `moeify methods --markdown` between the markers"
+        "docs/methods.md's options differ from the code: paste `moeify methods --markdown` between the markers"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,21 @@ def test_convert_writes_model_and_record(converted):
     assert record["paper_ratio"]["kind"] == "ffn" and record["paper_ratio"]["value"] == record["active"]["mlp_ratio"]
     assert {"torch", "transformers", "moeify"} <= set(record["versions"])
     assert (converted / "model.safetensors").is_file() and (converted / "modeling_moeify.py").is_file()
+
+
+def test_a_converted_folder_carries_a_model_card_with_the_hub_metadata(converted, tmp_path):
+    from moeify.export.model_card import hub_id
+
+    card = (converted / "README.md").read_text()
+    front, body = card.split("---\n")[1:3]
+    assert "library_name: transformers" in front and "- moe\n- moeify\n- cmoe\n" in front
+    assert "base_model" not in front  # the embedded model has no hub id
+    record = json.loads((converted / "record.json").read_text())
+    assert f"{record['metrics']['dense_ppl']:.3f} -> {record['metrics']['ppl']:.3f}" in body
+    assert f"| activated parameter ratio (APR) | {record['active']['apr']:.3f} |" in body
+    (tmp_path / "org").mkdir()
+    assert hub_id("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M" and hub_id("gpt2") == "gpt2"
+    assert hub_id(str(tmp_path / "org")) is None and hub_id("./runs/x") is None and hub_id("embedded:x") is None
 
 
 def test_eval_with_runtime_top_k(converted, tmp_path, capsys):
@@ -202,14 +219,15 @@ def test_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
         main(["--debug", "eval", str(tmp_path / "nowhere" / "model")])
 
 
-@pytest.mark.parametrize("script", ["bench_real", "compare_recovery"])
-def test_readme_smollm2_tables_are_what_their_benchmarks_print_from_their_results(script):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{script}.py"
+@pytest.mark.parametrize("script,page", [("bench_real", "README.md"), ("compare_recovery", "docs/results.md"),
+                                         ("bench_memory", "docs/scaling.md")])
+def test_the_smollm2_tables_are_what_their_benchmarks_print_from_their_results(script, page):
+    path = ROOT / "benchmarks" / f"{script}.py"
     table = subprocess.run([sys.executable, str(path), "--markdown"], capture_output=True, text=True,
                            check=True).stdout
     start, end = f"<!-- {script}:start -->\n", f"<!-- {script}:end -->"
-    block = README.read_text().split(start, 1)[1].split(end, 1)[0]
-    assert block == table, f"README.md's table differs from `python benchmarks/{script}.py --markdown`"
+    block = (ROOT / page).read_text().split(start, 1)[1].split(end, 1)[0]
+    assert block == table, f"{page}'s table differs from `python benchmarks/{script}.py --markdown`"
 
 
 def test_no_command_writes_into_what_it_reads(converted, tmp_path, capsys):

@@ -110,8 +110,8 @@ def test_plan_cli_prints_phases_json_and_the_readme_table(capsys):
     assert table.count("\n") == 6 and "| llama-3-8b | 8.03 B |" in table
 
 
-def test_readme_plan_table_is_what_moeify_plan_prints():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_documented_plan_table_is_what_moeify_plan_prints():
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
     assert "\n".join("  " + line for line in table().splitlines()) in readme
     assert "\n".join("  " + line for line in table(layer_by_layer=True).splitlines()) in readme
 

@@ -21,6 +21,7 @@ from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, c
 from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
+from moeify.export.model_card import model_card
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_free_disk, check_output_dir
 from moeify.loading import (
@@ -215,12 +216,14 @@ def _check_layer_by_layer(spec: Method, config: Any, recovery: RecoveryOptions) 
 
 
 def save(result: ConversionResult, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the converted model, its tokenizer and ``record.json`` atomically into ``out``."""
+    """Write the converted model, its tokenizer, ``record.json`` and a model card (``README.md``) atomically
+    into ``out``."""
     out = Path(out)
     check_output_dir(out, overwrite)
     with atomic_dir(out, overwrite=overwrite, command="recover" if "recovery" in result.record else "convert") as tmp:
         save_native(result.model, tmp, result.tokenizer, method=result.record["method"])
         write_record(result.record, tmp / RECORD_NAME)
+        (tmp / "README.md").write_text(model_card(result.record))
         for name, content in result.artifacts.items():
             (tmp / name).write_bytes(content)
     return out

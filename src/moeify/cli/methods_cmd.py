@@ -1,4 +1,4 @@
-"""``moeify methods``: the registered methods, their papers and options (``--markdown``: the README's
+"""``moeify methods``: the registered methods, their papers and options (``--markdown``: docs/methods.md's
 option tables, generated from the config classes so that the docs cannot drift from the code)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("methods", help="list the conversion methods with their papers and options",
                             description="List every conversion method with its paper and its --set options.")
     parser.add_argument("--markdown", action="store_true",
-                        help="print a markdown section per method with a table of its options (the README's)")
+                        help="print a markdown section per method with a table of its options (docs/methods.md's)")
     parser.set_defaults(run=run)
 
 

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="per process of a training sharded over N processes (`torchrun --nproc_per_node N "
                              "-m moeify convert --fsdp`; default 1: not sharded)")
     parser.add_argument("--table", action="store_true",
-                        help="the README's table: every method's peak on every preset shape, bfloat16 (with "
+                        help="the table of docs/scaling.md: every method's peak on every preset shape, bfloat16 (with "
                              "--layer-by-layer: the methods that can, held one decoder layer at a time)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)

@@ -33,7 +33,7 @@ Here: 200 steps of 8 x 256 tokens (410k tokens, about 14 passes over the text, m
 2e-4 for the weights (10x the paper's: a run of 410k tokens needs larger steps than one of 10B),
 1e-2 for the gates (they start at zero and must become decisive within the
 run), sparsity weight 1 (Eq. 19). Every effective option is recorded with the run; the measured effect
-is in ``benchmarks/bench_dsmoe.py`` and the README.
+is in ``benchmarks/bench_dsmoe.py`` and docs/results.md.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class DsmoeConfig:
 
 #: Tokens the margin fit sees per hidden dimension. With fewer the least-squares fit follows its own
 #: tokens and not the direction MLP inputs share, and on other text some tokens start with a layer's experts
-#: off (``benchmarks/bench_dsmoe_start.py`` on SmolLM2-135M, README). A 7B model's default batch of
+#: off (``benchmarks/bench_dsmoe_start.py`` on SmolLM2-135M, docs/results.md). A 7B model's default batch of
 #: 2,048 tokens is d / 2.
 FIT_TOKENS_PER_DIM = 4
 
