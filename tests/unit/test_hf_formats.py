@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.standard_moe import is_standard_moe
-from moeify.export import hf_formats, hf_parts
+from moeify.export import hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
 from moeify.moe.accounting import activated_parameters
 from moeify.moe.build import moe_from_partition
@@ -100,12 +100,14 @@ def test_the_mapping_is_measured_in_float64_and_a_wrong_one_is_refused(fmt, monk
     source = with_moe(tiny_model("llama"), {1: 4})
     assert EXPORTERS[fmt].build(source).record["max_abs_mlp_diff_float64"] < 1e-12
 
+    fold = hf_parts.fold
+
     def slightly_wrong(part, *args):
-        shared, experts, router = hf_parts.fold(part, *args)
+        shared, experts, router = fold(part, *args)
         experts[1] = replace(experts[1], down=experts[1].down * (1 + 1e-4))
         return shared, experts, router
 
-    monkeypatch.setattr(hf_formats, "fold", slightly_wrong)
+    monkeypatch.setattr(hf_parts, "fold", slightly_wrong)
     with pytest.raises(RuntimeError, match="in float64; not written"):
         EXPORTERS[fmt].build(source)
 

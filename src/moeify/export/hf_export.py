@@ -3,7 +3,7 @@
 ``EXPORTERS[name].supports(model, explain=True)`` says whether the format represents the conversion
 exactly and, if not, every reason; ``build`` makes the target model with transformers' own config and
 model classes (so transformers owns the checkpoint layout), copies attention, norms and embeddings by
-name and the MoE layers from ``hf_formats``, fills every tensor exactly once, and measures twice: every
+name and the MoE layers from ``formats``, fills every tensor exactly once, and measures twice: every
 MLP against the one it replaces in float64 (the exactness of the mapping) and the largest float32 logit
 difference to the source (mapping plus kernel rounding); ``save_hf`` writes it with ``save_pretrained``.
 The native format (``moeify.save``) stays the lossless default: these formats exist for vLLM and SGLang.
@@ -25,7 +25,7 @@ from transformers.initialization import no_init_weights
 
 from moeify.arch import DecoderAdapter, UnsupportedFamilyError
 from moeify.arch.standard_moe import DENSE_REFERENCE_KEY
-from moeify.export.hf_formats import FORMATS, Source, TargetFormat
+from moeify.export.formats import FORMATS, Source, TargetFormat
 from moeify.export.hf_parts import (
     EXACT,
     Approximation,

@@ -4,7 +4,7 @@ Standard formats (``glm4_moe``, ``qwen2_moe``, ``mixtral``) know only gated MLPs
 optional always-on part, equal-width routed experts and a *linear* router whose scores are ``x @ W.T``.
 ``layer_parts`` reduces a converted model to exactly that (``LayerParts``), or says, per layer, why it
 cannot; ``fold`` then reshapes one layer to the widths a format fixes for all layers without changing
-what it computes. Nothing here knows a format's module names: that is ``hf_formats``' business.
+what it computes. Nothing here knows a format's module names: that is ``formats``' business.
 
 Which routers are linear, each router says itself (``linear_form()``, see ``runtime.routers``); an
 export measures the logits to show it.
@@ -274,7 +274,7 @@ def fold(part: LayerParts, shared_width: int, num_experts: int) -> tuple[GatedMl
     weight 1, so it still runs them exactly once (this is how Mixtral, which has no shared part, carries
     MoRE's backbone). A layer with nothing routed puts that overflow in every expert behind a zero
     router. Missing experts repeat expert 0 with its router row: a tie between identical experts gives
-    the same output whichever wins. Both need unit-weight top-1 routing, which ``hf_formats.routing_reasons``
+    the same output whichever wins. Both need unit-weight top-1 routing, which ``formats.common.routing_reasons``
     requires unless every routed layer has the same number of experts and a shared part that fits."""
     shared = part.shared
     overflow = GatedMlp.empty(shared.up.shape[1], shared.up)

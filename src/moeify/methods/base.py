@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from moeify.calibration.corpus import FileCorpus
     from moeify.calibration.data import TextSource
     from moeify.planning import MethodMemory, ModelShape
+    from moeify.training.loop import Checkpointing
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,20 @@ class ConversionContext:
         from moeify.arch import DecoderAdapter
 
         return DecoderAdapter(self.model)
+
+    def checkpointing(self, method: str, cfg: Any, seq_len: int, free: tuple[str, ...] = ()) -> Checkpointing | None:
+        """Where a method's training keeps its checkpoints (``<work_dir>/<method>_checkpoints``; None without a
+        work folder), with the fingerprint a resumed run must share: every option of ``cfg`` but ``free``
+        (those that may change between a run and its resume) and ``resume`` / ``checkpoint_every``, the
+        training window, the seed, the model and the training text."""
+        if self.work_dir is None:
+            return None
+        from moeify.training.loop import Checkpointing
+
+        keep = {k: v for k, v in vars(cfg).items() if k not in ("resume", "checkpoint_every", *free)}
+        fingerprint = {"method": method, **keep, "seq_len": seq_len, "seed": self.seed,
+                       "model": str(self.model.config.name_or_path), "train_text_sha256": self.calib.sha256}
+        return Checkpointing(self.work_dir / f"{method}_checkpoints", fingerprint, resume=cfg.resume)
 
 
 BudgetMatcher = Callable[[float, "DecoderAdapter"], tuple[list[dict[str, Any]], str]]

@@ -27,12 +27,6 @@ def load_neurons_(neurons: HiddenNeurons, mlp: MlpWeights) -> HiddenNeurons:
     return neurons
 
 
-def hidden_neurons(mlp: MlpWeights) -> HiddenNeurons:
-    """The input half of ``mlp`` as a module (CMoE's router is the representative neurons' half)."""
-    module = HiddenNeurons(mlp.hidden_size, mlp.intermediate_size, mlp.act, mlp.gated, mlp.up_bias is not None)
-    return load_neurons_(module, mlp)
-
-
 def expert_mlp(mlp: MlpWeights) -> ExpertMLP:
     """``mlp`` (usually a neuron subset of a dense MLP, without output bias) as an expert module."""
     expert = ExpertMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act, mlp.gated, mlp.up_bias is not None)

@@ -24,17 +24,9 @@ import torch
 from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
 from moeify.methods.dense2moe.config import Dense2moeConfig
-from moeify.training.loop import Checkpointing, TrainPlan, WarmupCosine, train
+from moeify.training.loop import TrainPlan, WarmupCosine, train
 
 FINAL_LR_RATIO = 0.1  # §3.1: cosine decay from 1e-4 to 1e-5
-
-
-def _fingerprint(ctx: ConversionContext, cfg: Dense2moeConfig, seq_len: int) -> dict[str, Any]:
-    """What a resumed run must share with the checkpointed one: every option but ``resume`` and
-    ``checkpoint_every`` (``steps`` too: the learning-rate schedule depends on it)."""
-    keep = {k: v for k, v in vars(cfg).items() if k not in ("resume", "checkpoint_every", "recompute", "grad_accum")}
-    return {"method": "dense2moe", **keep, "seq_len": seq_len, "seed": ctx.seed,
-            "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
 
 
 def finetune(ctx: ConversionContext, cfg: Dense2moeConfig, seq_len: int) -> dict[str, Any]:
@@ -43,8 +35,8 @@ def finetune(ctx: ConversionContext, cfg: Dense2moeConfig, seq_len: int) -> dict
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
                      checkpoint_every=cfg.checkpoint_every, schedule=WarmupCosine(cfg.warmup, FINAL_LR_RATIO),
                      recompute=cfg.recompute)
-    checkpointing = None if ctx.work_dir is None else Checkpointing(
-        ctx.work_dir / "dense2moe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
+    # steps may not change on resume: the learning-rate schedule depends on it
+    checkpointing = ctx.checkpointing("dense2moe", cfg, seq_len, free=("recompute", "grad_accum"))
     log = train(ctx.model, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
                 device=ctx.device, checkpointing=checkpointing, progress=ctx.progress,
                 desc=f"dense2moe ({cfg.variant}): fine-tuning")

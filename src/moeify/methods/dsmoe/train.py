@@ -64,7 +64,7 @@ from moeify.methods.dsmoe.config import DsmoeConfig, fit_windows
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import passing_gates, rescaled_gate_weights
 from moeify.training.checkpoint import latest_step
-from moeify.training.loop import Checkpointing, TrainPlan, random_windows, train
+from moeify.training.loop import TrainPlan, random_windows, train
 from moeify.training.losses import lm_loss
 from moeify.training.precision import to_float32_
 
@@ -222,23 +222,14 @@ def train_seed(ctx: ConversionContext) -> int:
     return ctx.seed + 1
 
 
-def _fingerprint(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) -> dict[str, Any]:
-    """What a resumed run must share with the checkpointed one. Free to change: steps (the lr is
-    constant, so more steps continue the same run), grad_accum (the batches do not depend on it) and
-    what happens outside training."""
-    free = ("steps", "grad_accum", "resume", "checkpoint_every", "analyses", "recompute")
-    keep = {k: v for k, v in vars(cfg).items() if k not in free}
-    return {"method": "dsmoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
-            "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
-
-
 def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) -> dict[str, Any]:
     """Train ``ctx.model`` (whose MLPs are DSMoE layers) in place; returns the training log summary."""
     adapter = ctx.adapter
     layers: list[MoeMLP] = [adapter.mlp_module(i) for i in range(adapter.num_layers)]
     stream = token_stream(ctx.calib, ctx.tokenizer)
-    checkpointing = None if ctx.work_dir is None else Checkpointing(
-        ctx.work_dir / "dsmoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
+    # free to change on resume: steps (the lr is constant, so more steps continue the same run), grad_accum
+    # (the batches do not depend on it) and what happens outside training
+    checkpointing = ctx.checkpointing("dsmoe", cfg, seq_len, free=("steps", "grad_accum", "analyses", "recompute"))
     resuming = checkpointing is not None and cfg.resume and latest_step(checkpointing.folder) is not None
     start = start_gates_(ctx, cfg, layers, stream, seq_len, resuming)
     wrappers = [DsmoeTrainingMLP(layer, cfg.variant) for layer in layers]

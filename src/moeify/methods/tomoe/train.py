@@ -39,7 +39,7 @@ from moeify.methods.tomoe.modules import (
 from moeify.moe.head_dim import head_dim_costs
 from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.training.distributed import gathered
-from moeify.training.loop import Checkpointing, TrainPlan, train
+from moeify.training.loop import TrainPlan, train
 from moeify.training.losses import distillation_kl, final_hidden_states
 
 
@@ -167,14 +167,6 @@ def batch_statistics(counts: Tensor, shares: Tensor, widths: list[Tensor],
             list(products.split([k.numel() for k in kept])))
 
 
-def _fingerprint(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int) -> dict[str, Any]:
-    """What a resumed run must share with the checkpointed one (steps may grow: the lr is constant)."""
-    free = ("steps", "grad_accum", "resume", "checkpoint_every", "recompute")
-    keep = {k: v for k, v in vars(cfg).items() if k not in free}
-    return {"method": "tomoe", **keep, "seq_len": seq_len, "seed": ctx.seed,
-            "model": str(ctx.model.config.name_or_path), "train_text_sha256": ctx.calib.sha256}
-
-
 @contextmanager
 def frozen(model: nn.Module) -> Iterator[None]:
     """The model's trainable parameters frozen inside the block (ToMoE keeps the weights), thawed after."""
@@ -228,8 +220,8 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
 
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
                      checkpoint_every=cfg.checkpoint_every, recompute=cfg.recompute)
-    checkpointing = None if ctx.work_dir is None else Checkpointing(
-        ctx.work_dir / "tomoe_checkpoints", _fingerprint(ctx, cfg, seq_len), resume=cfg.resume)
+    # steps may grow on resume: the lr is constant
+    checkpointing = ctx.checkpointing("tomoe", cfg, seq_len, free=("steps", "grad_accum", "recompute"))
     log = train(theta, optimizer, token_stream(ctx.calib, ctx.tokenizer), plan, seed=ctx.seed + 1,
                 device=ctx.device, loss_fn=loss, checkpointing=checkpointing, progress=ctx.progress,
                 desc="tomoe: learning experts and routers", network=ctx.model, replicated=theta.parameters())
