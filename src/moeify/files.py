@@ -101,8 +101,8 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 
 def check_free_disk(out: Path, needed: int, what: str, flag: str = "--out") -> None:
     """Refuse, before the work, an output whose disk has less free space than ``needed`` bytes (``what`` says
-    what will be written); the space a folder being replaced frees is not counted, so the check errs on the
-    side of refusing only what cannot fit even then."""
+    what will be written). The files of a folder being replaced count as free: the new output takes their
+    place, so the check refuses only what cannot fit even then."""
     out = Path(out)
     where = _nearest_existing(out.parent)
     free = shutil.disk_usage(where).free
