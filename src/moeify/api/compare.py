@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moeify.api.convert import convert, save
-from moeify.api.recover import prepare_teacher_cache, recovery_config, recovery_identity
+from moeify.api.recover import prepare_teacher_cache, recovery_identity
 from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB
@@ -29,6 +29,8 @@ from moeify.evaluation.record import read_record
 from moeify.files import OutputExistsError, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method
+from moeify.options import build_config
+from moeify.training.recovery_options import RecoveryOptions
 
 
 def matched_options(method: Method, active: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
@@ -150,7 +152,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
                 "recover_milestones": tuple(sorted(recover_tokens)), "teacher_cache": out / "teacher_cache"}
     if recover_tokens:
         recovery["recover_tokens"] = max(recover_tokens)
-        config = recovery_config(recovery)
+        config = build_config(RecoveryOptions, recovery)
         if config.recover_top_k and len(methods) > 1 and config.recover_teacher in ("auto", "cache"):
             recovery["recover_teacher"] = "cache"  # one teacher pass for every method's recovery
             prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,

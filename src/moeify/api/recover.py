@@ -38,11 +38,6 @@ def recovery_identity(teacher: str | Path | None) -> dict[str, Any]:
     return {"teacher": str(teacher or EMBEDDED_MODEL)}
 
 
-def recovery_config(options: dict[str, Any]) -> RecoveryOptions:
-    """The recovery's options from ``--set`` values (``recover_*`` keys only)."""
-    return build_config(RecoveryOptions, options)
-
-
 def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedModel, calib: TextSource | FileCorpus,
                  options: RecoveryOptions, *, identity: dict[str, Any], eval_source: TextSource, seq_len: int,
                  seed: int, device: str, work_dir: Path | None, cache_dir: Path | None = None,
@@ -103,7 +98,7 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     before a weight is read."""
     run = Path(run)
     record = read_record(run)
-    config = recovery_config(options)
+    config = build_config(RecoveryOptions, options)
     if not config.enabled:
         raise OptionError("recover needs a budget: --tokens N (recover_tokens) > 0")
     calib_source = read_corpus(_rereadable(record["data"]["calib"], EMBEDDED_CALIB, calib, "calib"))
