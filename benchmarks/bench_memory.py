@@ -132,7 +132,8 @@ def main() -> None:
         print(markdown(args.out))
         return
     if args.smollm2:
-        from bench_real import CALIB as calib, MODEL as model
+        from bench_real import CALIB as calib
+        from bench_real import MODEL as model
 
         methods = args.methods or ",".join(m.name for m in METHODS)
     else:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from moeify.api.plan import method_plan
+from moeify.memory_plan import method_plan
 from moeify.methods import get_method
 from moeify.planning import ModelShape
 

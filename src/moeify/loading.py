@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,59 +23,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from moeify.dtypes import working_dtype_name
 from moeify.export.native import is_native_folder, load_native, native_config, native_model_class
 from moeify.files import MOEIFY_KEY
 from moeify.offload import layered_model
 from moeify.offload.checkpoint import check_finite
-
-EMBEDDED_MODEL = "embedded:stories260K"
-GGUF_SUFFIX = ".gguf"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: ``path`` (a folder or hub name) and, for GGUF, the file inside it."""
-
-    path: str
-    gguf_file: str | None = None
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments ``from_pretrained`` needs besides the path."""
-        return {} if self.gguf_file is None else {"gguf_file": self.gguf_file}
-
-    def __str__(self) -> str:
-        return self.path if self.gguf_file is None else str(Path(self.path) / self.gguf_file)
-
-
-def model_source(model: str | Path | None) -> ModelSource:
-    """The source behind ``model``; None (or ``EMBEDDED_MODEL``) is the embedded stories260K. A ``.gguf``
-    file, or a folder whose only model file is one, is read as GGUF."""
-    if model is None or str(model) == EMBEDDED_MODEL:
-        return ModelSource(str(resources.files("moeify.data").joinpath("stories260K")))
-    path = Path(model)
-    if path.suffix == GGUF_SUFFIX:
-        if not path.is_file():
-            raise FileNotFoundError(f"{str(path)!r}: no such GGUF file")
-        return ModelSource(str(path.parent), path.name)
-    if path.is_dir() and not (path / "config.json").is_file():
-        ggufs = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
-        if len(ggufs) > 1:
-            raise ValueError(f"{str(path)!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); name the one to load")
-        if ggufs:
-            return ModelSource(str(path), ggufs[0])
-        raise ValueError(f"{str(path)!r} is not a model folder: it has no config.json (nor a .gguf file)")
-    if not path.exists() and _looks_local(str(model)):
-        raise FileNotFoundError(f"{str(model)!r}: no such model folder or file")
-    return ModelSource(str(model))
-
-
-def _looks_local(name: str) -> bool:
-    """A path rather than a hub name ("org/name"): absolute, relative with ./ or ../, ~, deeper, or one whose
-    first part exists here (``runs/cmeo`` beside a ``runs`` folder is a mistyped run, not a hub model)."""
-    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
-            or "/" in name and Path(name.split("/", 1)[0]).exists())
-
+from moeify.sources import ModelSource, model_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -86,19 +37,8 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 
 def working_dtype(dtype: str | torch.dtype | None, config: PreTrainedConfig | None) -> torch.dtype:
-    """``dtype`` by name or as a torch dtype; None: the checkpoint's own floating dtype (``config``'s), else
-    float32 (a GGUF model, a config that names none)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype={dtype} is not a working dtype; allowed: {', '.join(DTYPES)}")
-        return dtype
-    if dtype is not None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not a working dtype; allowed: {', '.join(DTYPES)}")
-        return DTYPES[dtype]
-    own = getattr(config, "dtype", None) if config is not None else None
-    own = DTYPES.get(own) if isinstance(own, str) else own
-    return own if own in DTYPES.values() else torch.float32
+    """``moeify.dtypes.working_dtype_name`` as a torch dtype."""
+    return DTYPES[working_dtype_name(dtype, config)]
 
 
 def check_device(device: str) -> None:
@@ -205,7 +145,7 @@ def _read_errors(path: str, what: str) -> Iterator[None]:
         raise ValueError(f"{path}: cannot read the {what} ({type(error).__name__}: {error})") from error
     except (ValueError, FileNotFoundError):
         raise
-    except Exception as error:  # noqa: BLE001 - the readers raise many types; all mean "cannot read"
+    except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"{path}: cannot read the {what} ({type(error).__name__}: {detail})") from error
 

@@ -36,14 +36,22 @@ against the peak resident memory of conversions of a 1.1B-parameter model (``ben
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
-
-from moeify.arch import DecoderAdapter
+from moeify.arch import UnsupportedFamilyError, family_for
+from moeify.dtypes import DTYPE_BYTES, dtype_name
+from moeify.files import MOEIFY_KEY
 from moeify.presets import PRESETS
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig
 
 GIB = 2**30
 PROCESS_BYTES = int(0.45 * GIB)  # Python, torch, transformers and moeify: a 260K-parameter conversion's peak
@@ -55,7 +63,8 @@ CALIB_BYTES = 4                  # calibration caches hidden states in float32 (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs of a model, counted on the meta device (no weights)."""
+    """What the estimate needs of a model: its config and its parameter counts, read from a checkpoint's
+    headers (``from_checkpoint``) or counted on the meta device (``from_config``); no weights."""
 
     name: str
     hidden: int
@@ -75,6 +84,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig, name: str) -> ModelShape:
+        """Counted on a model built on the meta device: any config transformers can build a model of."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from moeify.arch import DecoderAdapter
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         adapter = DecoderAdapter(model)
@@ -84,8 +99,57 @@ class ModelShape:
                    config.vocab_size, config.max_position_embeddings, sum(p.numel() for p in model.parameters()),
                    mlp, decoder, config)
 
+    @classmethod
+    def from_checkpoint(cls, folder: Path, name: str) -> ModelShape | None:
+        """Read from ``folder``'s config.json and its safetensors headers, without torch (a command that
+        needs no weights starts at once): every stored tensor counts, those under a decoder layer's MLP
+        as MLP parameters (the family's names, ``moeify.arch``). None where these files cannot tell: no
+        safetensors, a family moeify does not know, a config missing a size, a converted folder; the
+        caller then builds the model on the meta device (``from_config``)."""
+        files = weight_files(folder)
+        if not (folder / "config.json").is_file() or not files:
+            return None
+        raw = json.loads((folder / "config.json").read_text())
+        sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
+        if MOEIFY_KEY in raw or any(not isinstance(raw.get(key), int) for key in sizes):
+            return None
+        config = SimpleNamespace(**raw)
+        config.dtype = raw.get("dtype") or raw.get("torch_dtype")
+        try:
+            family = family_for(config)
+        except UnsupportedFamilyError:
+            return None
+        counts = {key: math.prod(shape) for file in files for key, shape in safetensors_shapes(file).items()}
+        if raw.get("tie_word_embeddings"):
+            counts.pop("lm_head.weight", None)  # where it is stored too, still one parameter in the model
+        layers = f"{family.layers_path}."
+        mlp = sum(n for key, n in counts.items()
+                  if key.startswith(layers) and key[len(layers):].split(".", 2)[1:2] == [family.mlp_attr])
+        return cls(name, raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"], raw["vocab_size"],
+                   raw["max_position_embeddings"], sum(counts.values()), mlp,
+                   sum(n for key, n in counts.items() if key.startswith(layers)), config)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers loads from ``folder``: those its index names, or model.safetensors
+    (not any other, such as the consolidated.safetensors some releases ship beside them)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+def safetensors_shapes(file: Path) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors file's header (its first 8 bytes give the header's length)."""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {key: value["shape"] for key, value in header.items() if key != "__metadata__"}
+
 
 def preset_shape(name: str) -> ModelShape:
+    from transformers import LlamaConfig
+
     return ModelShape.from_config(LlamaConfig(**PRESETS[name]), name)
 
 
@@ -114,7 +178,7 @@ class MemoryPlan:
     """Bytes per phase (each: {part: bytes}) and the work in tokens x layers."""
 
     shape: ModelShape
-    dtype: torch.dtype
+    dtype: str  # the working dtype's name ("bfloat16")
     phases: dict[str, dict[str, int]]
     work: dict[str, int]
     process: int  # what the process holds besides the phases' parts (on a GPU: nothing of the device's)
@@ -128,14 +192,14 @@ class MemoryPlan:
     def output_bytes(self) -> int:
         """The saved model's size: the dense model's parameters in the working dtype (a conversion keeps every
         MLP weight or fewer, and adds routers of well under 1 %)."""
-        return self.shape.params * self.dtype.itemsize
+        return self.shape.params * DTYPE_BYTES[self.dtype]
 
     @property
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.shape.name, "params": self.shape.params, "dtype": str(self.dtype).removeprefix("torch."),
+        return {"model": self.shape.name, "params": self.shape.params, "dtype": self.dtype,
                 "peak_gib": round(self.peak / GIB, 2), "peak_phase": self.peak_phase,
                 "process_gib": round(self.process / GIB, 2), "layer_by_layer": self.layer_by_layer,
                 "phases_gib": {phase: {k: round(v / GIB, 3) for k, v in parts.items()}
@@ -181,7 +245,7 @@ def _train_phase(shape: ModelShape, method: MethodMemory, b: int, written: int, 
     return phase
 
 
-def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
+def plan_memory(shape: ModelShape, method: MethodMemory, dtype: str | torch.dtype, eval_seq_len: int,
                 inference_copy: bool = True, mapped: bool = True, on_cpu: bool = True, layer_by_layer: bool = False,
                 eval_tokens: int | None = None, shards: int = 1, recovery: MethodMemory | None = None) -> MemoryPlan:
     """The estimate of a conversion of ``shape`` in ``dtype`` (see the module docstring); ``inference_copy``:
@@ -193,10 +257,11 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eva
     ``shards``: training sharded over that many processes (``training.sharding``, FSDP); ``recovery``: the
     training part of a recovery after the conversion (``training.recovery``: a ``recover`` phase with the
     dense teacher's weights beside the student's)."""
+    dtype = dtype_name(dtype)
     if layer_by_layer:
         return _plan_layer_by_layer(shape, method, dtype, eval_seq_len, inference_copy, on_cpu,
                                     eval_tokens or EVAL_BATCH * eval_seq_len)
-    b = torch.finfo(dtype).bits // 8
+    b = DTYPE_BYTES[dtype]
     weights = shape.params * b
     written = shape.mlp_params * b if mapped else 0  # the converted MLPs, beside the mapped checkpoint
     eval_tokens = EVAL_BATCH * eval_seq_len
@@ -243,13 +308,13 @@ def _sharded_training(shape: ModelShape, train: dict[str, int], shards: int) -> 
     return {"shard": start, "train": steady}
 
 
-def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: torch.dtype, eval_seq_len: int,
+def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: str, eval_seq_len: int,
                          inference_copy: bool, on_cpu: bool, eval_tokens: int) -> MemoryPlan:
     """``plan_memory`` of a model held a decoder layer at a time: the weights outside the layers, one layer
     as read and as converted (its dtype copy and the method's new layer), and each pass's activations; the
     evaluation passes keep every window's hidden states three times (a layer's inputs and outputs, and the
     final states the scoring reads)."""
-    b = torch.finfo(dtype).bits // 8
+    b = DTYPE_BYTES[dtype]
     resident = {"weights outside the layers": (shape.params - shape.decoder_params) * b,
                 "one layer, read and converted": 2 * shape.layer_params * b}
     batch = EVAL_BATCH * eval_seq_len

@@ -181,7 +181,7 @@ def test_an_interrupted_training_names_its_last_checkpoint_and_the_resume_comman
 def test_the_resume_hint_asks_for_resume_once(tmp_path):
     from argparse import Namespace
 
-    from moeify.cli.main import _resume_hint, build_parser
+    from moeify.cli.main import _resume_hint
 
     (tmp_path / "run.work" / "dsmoe_checkpoints" / "step-00000003").mkdir(parents=True)
     argv = ["convert", "--method", "dsmoe", "--out", str(tmp_path / "run")]

@@ -2,6 +2,7 @@
 compute, the training device against the sparse layer, the straight-through gradients, resuming."""
 
 import dataclasses
+import gc
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from moeify.methods.dsmoe import DsmoeConfig
 from moeify.methods.dsmoe.convert import contiguous_partition, convert
-from moeify.methods.dsmoe.train import DsmoeTrainingMLP, margin_gates_, sparsity_term
+from moeify.methods.dsmoe.train import DsmoeTrainingMLP, margin_gates_, sparsity_term, sparsity_terms
 from moeify.moe.accounting import moe_layers, nominal_activated_parameters
 from moeify.moe.build import moe_from_partition
 from moeify.options import OptionError, build_config
@@ -95,8 +96,10 @@ def test_no_gate_variant_trains_on_every_expert_and_starts_dense():
     with torch.no_grad():
         torch.testing.assert_close(device(x), expected, atol=1e-5, rtol=1e-5)  # Eq. 20
         torch.nn.init.zeros_(layer.router.proj.weight)
-        torch.testing.assert_close(device(x), mlp.forward(x), atol=1e-5, rtol=1e-5)
-    assert device.sparsity == pytest.approx(0.5)  # the mean gate, no G
+        with sparsity_terms([device]) as terms:
+            torch.testing.assert_close(device(x), mlp.forward(x), atol=1e-5, rtol=1e-5)
+        device(x)  # outside the block: no term kept
+    assert len(terms) == 1 and terms[0] == pytest.approx(0.5)  # the mean gate, no G
 
 
 def test_straight_through_estimator_reaches_the_gates_of_inactive_experts_only_with_ste():
@@ -122,6 +125,24 @@ def test_sparsity_loss_is_the_mean_thresholded_gate():
     assert float(sparsity_term(gates, 0.5, "no_gate")) == pytest.approx(2.1 / 4)
     sparsity_term(gates, 0.5, "full").backward()
     assert gates.grad.tolist() == [[0.25, 0.0], [0.25, 0.0]]  # only the gates that are on pay
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects reaches torch.distributed's deprecated names
+def test_a_recomputed_step_keeps_no_activation_past_its_backward_pass(make_ctx, monkeypatch):
+    """With ``recompute`` the backward pass runs each layer's forward again; nothing of that run may outlive
+    it (a sparsity term kept from it would hold the layer's recomputed activations until the next step)."""
+    seq_len, left = 37, []  # a window length no other tensor here has
+    step = torch.optim.AdamW.step
+
+    def counting_step(optimizer, *args, **kwargs):
+        gc.collect()
+        left.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() >= 3
+                        and seq_len in o.shape[1:]))  # activations: (batch, seq, ...) or (batch, heads, seq, ...)
+        return step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
+    converted("llama", make_ctx, steps=2, seq_len=seq_len, recompute=True)
+    assert left == [0, 0]
 
 
 def test_training_learns_gates_and_hardens_into_sparse_layers(make_ctx):

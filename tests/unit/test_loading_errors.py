@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from moeify.cli.main import main
-from moeify.loading import EMBEDDED_MODEL, model_source
+from moeify.sources import EMBEDDED_MODEL, model_source
 
 STORIES = model_source(EMBEDDED_MODEL).path
 

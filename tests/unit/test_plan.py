@@ -2,19 +2,27 @@
 
 import importlib
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import moeify
-from moeify.api.plan import plan
 from moeify.cli.main import main
 from moeify.cli.plan_cmd import table
-from moeify.methods import METHODS
+from moeify.memory_plan import plan
+from moeify.methods import METHODS, get_method
+from moeify.methods.cmoe import CmoeConfig
 from moeify.options import OptionError
-from moeify.planning import GIB, PRESETS
+from moeify.planning import GIB, PRESETS, ModelShape
+from tests.helpers.tiny_models import FAMILY_NAMES, tiny_model
 
-plan_api = importlib.import_module("moeify.api.plan")  # the module: ``moeify.api.plan`` is the function
+ROOT = Path(__file__).resolve().parents[2]
+
+plan_api = importlib.import_module("moeify.memory_plan")  # the module: ``moeify.memory_plan.plan`` is the function
 
 
 def test_presets_are_the_published_shapes():
@@ -124,3 +132,39 @@ def test_calibration_hidden_states_are_planned_in_float32_whatever_the_dtype(lay
     tokens = states["float32"].work["calibration tokens x layers"] // 32
     for memory in states.values():
         assert memory.phases["convert"]["calibration hidden states"] == 2 * tokens * 4096 * 4
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_checkpoint_folder_is_planned_from_its_files_as_from_its_model(family, tmp_path):
+    """``ModelShape.from_checkpoint`` (config.json and safetensors headers, no torch) counts what a model
+    built from the config counts, tied embeddings and biases included."""
+    model = tiny_model(family, tie_word_embeddings=family.startswith("gemma"))
+    model.save_pretrained(tmp_path)
+    read = ModelShape.from_checkpoint(tmp_path, "tiny")
+    assert read == ModelShape.from_config(model.config, "tiny")
+    assert plan(tmp_path, "cmoe").as_dict() == plan_api.method_plan(
+        ModelShape.from_config(model.config, str(tmp_path)), get_method("cmoe"), CmoeConfig(), torch.float32,
+        model.config.max_position_embeddings, "cpu", False).as_dict()
+
+
+def test_moeify_plan_of_a_checkpoint_folder_answers_without_torch(tmp_path):
+    """A command that needs no weights starts at once: ``moeify plan FOLDER`` reads two small files; the
+    whole command (Python's start included) within the start-up budget of 3 s."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    script = ("import sys, time; start = time.perf_counter(); from moeify.cli.main import main; "
+              f"code = main(['plan', {str(tmp_path)!r}, '--method', 'dsmoe']); "
+              "print(code, [m for m in ('torch', 'transformers') if m in sys.modules], time.perf_counter() - start)")
+    begun = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(ROOT / "src")},
+                            capture_output=True, text=True)
+    seconds = time.perf_counter() - begun
+    assert result.stdout.splitlines()[-1].startswith("0 []"), result.stdout + result.stderr
+    assert "train" in result.stdout and seconds < 3.0
+
+
+def test_a_sharded_checkpoint_is_counted_through_its_index_and_other_safetensors_are_not(tmp_path):
+    model = tiny_model("mistral")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "consolidated.safetensors").write_bytes(next(tmp_path.glob("model-*.safetensors")).read_bytes())
+    assert ModelShape.from_checkpoint(tmp_path, "tiny") == ModelShape.from_config(model.config, "tiny")

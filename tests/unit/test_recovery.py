@@ -310,7 +310,7 @@ def test_compare_recovers_every_method_with_one_budget_and_draws_the_curve(tmp_p
 
 
 def test_the_plan_counts_the_recovery_with_its_teacher():
-    from moeify.api.plan import plan
+    from moeify.memory_plan import plan
 
     memory = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000})
     recover_phase = memory.phases["recover"]

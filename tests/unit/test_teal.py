@@ -6,11 +6,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import moeify
-from moeify.arch import DecoderAdapter
 from moeify.api import ConversionResult
-from moeify.moe.accounting import activated_parameters, tracking_routing
+from moeify.arch import DecoderAdapter
 from moeify.methods.teal import TealConfig
 from moeify.methods.teal.convert import convert, magnitude_threshold
+from moeify.moe.accounting import activated_parameters, tracking_routing
 from moeify.options import OptionError
 from moeify.runtime.sparse_inputs import ThresholdedLinear
 from tests.helpers.conversion import clone

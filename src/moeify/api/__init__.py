@@ -10,10 +10,11 @@ from moeify.api.compare import run_comparison
 from moeify.api.convert import convert, save
 from moeify.api.evaluate import evaluate, set_runtime_options
 from moeify.api.export import check_formats, export_folder
-from moeify.api.plan import plan
 from moeify.api.recover import recover_run
 from moeify.api.result import ConversionResult
-from moeify.loading import EMBEDDED_MODEL, load, load_model
+from moeify.loading import load, load_model
+from moeify.memory_plan import plan
+from moeify.sources import EMBEDDED_MODEL
 
 __all__ = ["EMBEDDED_MODEL", "ConversionResult", "LayerAnalysis", "analyze_layers", "check_formats", "convert",
            "evaluate", "export_folder", "load", "load_model", "plan", "recover_run", "run_comparison", "save",

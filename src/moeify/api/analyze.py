@@ -13,9 +13,10 @@ import torch
 from moeify.calibration.data import EMBEDDED_CALIB, calibration_batches, read_text
 from moeify.evaluation.record import RECORD_NAME, library_versions, write_record
 from moeify.files import atomic_dir, check_output_dir
-from moeify.loading import EMBEDDED_MODEL, load_model
+from moeify.loading import load_model
 from moeify.methods import METHODS, Method, get_method
 from moeify.options import OptionError
+from moeify.sources import EMBEDDED_MODEL
 
 
 @dataclass

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from moeify.api.plan import check_fits, method_plan
 from moeify.api.recover import recovery_identity, run_recovery
 from moeify.api.result import ConversionResult
 from moeify.arch import family_for
@@ -24,21 +23,15 @@ from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.export.model_card import model_card
 from moeify.export.native import save_native
 from moeify.files import atomic_dir, check_free_disk, check_output_dir
-from moeify.loading import (
-    EMBEDDED_MODEL,
-    check_device,
-    converted_method,
-    load_config,
-    load_model,
-    model_source,
-    working_dtype,
-)
+from moeify.loading import check_device, converted_method, load_config, load_model, working_dtype
+from moeify.memory_plan import check_fits, method_plan
 from moeify.methods import DEFAULT_METHOD, METHODS, Calibrated, ConversionContext, Method, method_configs
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.offload import layered_of
 from moeify.options import OptionError
 from moeify.planning import GIB, ModelShape
+from moeify.sources import EMBEDDED_MODEL, model_source
 from moeify.training.distributed import fsdp, world_size
 from moeify.training.loop import earlier_seconds
 from moeify.training.recovery_options import RecoveryOptions

@@ -15,18 +15,19 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from moeify.api.plan import check_fits, recovery_memory
 from moeify.api.result import ConversionResult
 from moeify.calibration.corpus import FileCorpus, read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text, token_stream
 from moeify.evaluation.perplexity import perplexity, relative_change
 from moeify.evaluation.record import read_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
-from moeify.loading import EMBEDDED_MODEL, load_config, load_model, working_dtype
+from moeify.loading import load_config, load_model, working_dtype
+from moeify.memory_plan import check_fits, recovery_memory
 from moeify.methods import get_method
 from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
 from moeify.planning import GIB, MethodMemory, ModelShape, plan_memory
+from moeify.sources import EMBEDDED_MODEL
 from moeify.training.recovery import recover, teacher_cache
 from moeify.training.recovery_options import RecoveryOptions
 

@@ -16,9 +16,10 @@ The three MLP layouts found in the supported families:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from transformers import PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MlpKind = Literal["gated", "fused_gated", "plain"]
 

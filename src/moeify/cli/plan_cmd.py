@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     options = parse_assignments(args.set)
     method_configs(args.method, options)  # a bad option is refused before torch is imported
-    from moeify.api.plan import plan
+    from moeify.memory_plan import plan
 
     memory = plan(args.model, args.method, options, dtype=args.dtype, eval_seq_len=args.seq_len,
                   device=args.device, layer_by_layer=args.layer_by_layer, shards=args.fsdp)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def table(layer_by_layer: bool = False) -> str:
     """Markdown: the peak (GiB) of every method's default conversion of every preset shape in bfloat16 on one
     GPU (the checkpoint not memory-mapped); ``layer_by_layer``: of the methods that can, held that way."""
-    from moeify.api.plan import plan
+    from moeify.memory_plan import plan
     from moeify.methods import METHODS
     from moeify.planning import GIB
 

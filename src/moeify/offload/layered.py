@@ -27,7 +27,7 @@ from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
 from moeify.offload.allocator import LAYER_PASS_MMAP_THRESHOLD, fix_mmap_threshold
 from moeify.offload.checkpoint import TensorFiles, tensor_bytes, write_index, write_tensors
-from moeify.runtime.moe import MoeMLP
+from moeify.runtime.moe import drop_inference_copies
 
 _LAYERED: WeakKeyDictionary[nn.Module, LayeredModel] = WeakKeyDictionary()
 BASE_FILE = "model-base.safetensors"  # everything outside the decoder layers, in a saved folder
@@ -101,9 +101,7 @@ class LayeredModel:
     def release(self, index: int) -> None:
         """Layer ``index`` back on the meta device: its weights (and any packed copy of its experts) freed."""
         layer = self.adapter.layer(index)
-        for module in layer.modules():
-            if isinstance(module, MoeMLP):
-                module.drop_inference_copy()
+        drop_inference_copies(layer)
         layer.load_state_dict({name: torch.empty(t.shape, dtype=t.dtype, device="meta")
                                for name, t in layer.state_dict().items()}, assign=True)
 

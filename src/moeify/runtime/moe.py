@@ -254,6 +254,14 @@ def install_moe_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> N
         setattr(model.get_submodule(parent_path), name, build_moe_mlp(spec))
 
 
+def drop_inference_copies(model: nn.Module) -> None:
+    """Free the packed copy of every MoE layer's experts in ``model`` (rebuilt at the next inference
+    forward): where the experts are about to change or leave memory, a copy held would be stale bytes."""
+    for module in model.modules():
+        if isinstance(module, MoeMLP):
+            module.drop_inference_copy()
+
+
 def set_packed_widths(model: nn.Module) -> None:
     """Give every routed MoE layer of ``model`` the model-wide ``packed_widths`` (on load and after a
     conversion), the widths a standard export of the model stores."""

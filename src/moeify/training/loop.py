@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from moeify.offload.allocator import fix_mmap_threshold
+from moeify.runtime.moe import drop_inference_copies
 from moeify.training import distributed
 from moeify.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moeify.training.distributed import all_reduce_gradients_, all_reduce_sum_, barrier, is_main, rank, world_size
@@ -271,6 +272,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
     _check_shares(plan)
     generator = torch.Generator().manual_seed(seed)
     network = model if network is None else network
+    drop_inference_copies(network)  # training runs (and changes) the experts' own weights
     model.train()
     try:
         # Sharded, the masters are made a layer at a time as it is sharded, and a checkpoint is restored

@@ -45,7 +45,7 @@ CMOE = Method(
     match_budget=match_budget,
     paper_ratio="ffn",
     partitions_mlp=True,
-    memory=Deferred("moeify.methods.cmoe.convert", "memory"),
+    memory=Deferred("moeify.methods.cmoe.memory", "memory"),
     layer_by_layer=True,
 )
 

@@ -23,7 +23,6 @@ from moeify.moe.partition import (
     even_sizes,
     random_partition,
 )
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import RepresentativeRouter
 
@@ -125,12 +124,3 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
 
         details["finetune"] = finetune(ctx, cfg, seq_len)
     return details
-
-
-def memory(shape: ModelShape, cfg: CmoeConfig, nbytes: int) -> MethodMemory:
-    """Per layer: the MLP inputs X of every calibration token (captured, then concatenated), ATopK's float32
-    unit-norm weights and hidden activations (gate, up, product) with the markers A (Eq. 5-6)."""
-    q = cfg.calib_samples * cfg.effective_seq_len(shape.config)
-    d, m = shape.hidden, shape.intermediate
-    return method_memory(shape, cfg, nbytes, layer_statistics=2 * q * d * nbytes + 3 * q * m * 4 + q * m
-                         + 3 * m * d * 4)

@@ -14,8 +14,8 @@ from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
 from moeify.methods.cmoe.config import CmoeConfig
 from moeify.moe.accounting import moe_layers, tracking_routing
-from moeify.training.lora import lora_finetune
 from moeify.training.distributed import all_reduce_sum_
+from moeify.training.lora import lora_finetune
 
 
 def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str, Any]:

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from moeify.calibration.data import TextSource
 from moeify.methods.base import ConversionContext
-from moeify.methods.dsmoe.config import DsmoeConfig, fit_windows, gate_scale
+from moeify.methods.dsmoe.config import DsmoeConfig, gate_scale
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
 from moeify.options import require_work_dir_for_resume
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.routers import ThresholdRouter
 
 
@@ -36,16 +34,6 @@ def partition_model_(ctx: ConversionContext, cfg: DsmoeConfig) -> list[list[int]
         sizes.append([e.numel() for e in partition.experts])
     return sizes
 
-
-def memory(shape: ModelShape, cfg: DsmoeConfig, nbytes: int) -> MethodMemory:
-    """Every parameter trains (the common estimate); before that, the margin start streams its fit windows
-    a decoder layer at a time and keeps a float64 d x d Gram matrix per layer while it fits."""
-    base = method_memory(shape, cfg, nbytes)
-    if not (cfg.steps and cfg.gate_init == "margin"):
-        return base
-    seq_len = cfg.effective_seq_len(shape.config)
-    return dataclasses.replace(base, calib_tokens=fit_windows(cfg, shape.hidden, seq_len) * seq_len,
-                               layer_statistics=8 * shape.hidden ** 2)
 
 
 def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> dict[str, Any]:

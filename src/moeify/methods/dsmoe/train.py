@@ -50,7 +50,8 @@ Choices the paper leaves open:
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -92,13 +93,13 @@ def sparsity_term(gates: Tensor, tau: float, variant: str) -> Tensor:
 
 class DsmoeTrainingMLP(nn.Module):
     """Training device around one DSMoE layer: every expert on every token, weighted per the variant.
-    ``sparsity`` holds the layer's sparsity term of the last forward pass."""
+    Inside ``sparsity_terms`` each forward pass adds the layer's sparsity term to ``terms``."""
 
     def __init__(self, moe: MoeMLP, variant: str) -> None:
         super().__init__()
         self.moe = moe
         self.variant = variant
-        self.sparsity: Tensor | None = None
+        self.terms: list[Tensor] | None = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
@@ -106,7 +107,9 @@ class DsmoeTrainingMLP(nn.Module):
         router = self.moe.router
         gates = router.gates(x)  # g = sigma(x Y): (tokens, experts); Eq. 7
         weights = training_weights(gates, router.tau, self.variant, router.gate_scale).to(x.dtype)
-        self.sparsity = sparsity_term(gates, router.tau, self.variant)
+        sparsity = sparsity_term(gates, router.tau, self.variant)  # computed alike in a recomputation, kept only
+        if self.terms is not None:                                  # when the loss asks (``sparsity_terms``)
+            self.terms.append(sparsity)
         experts = self.moe.experts
         hidden = all_hidden(experts, x)  # (tokens, d_h): every expert's neurons, in expert order
         widths = torch.tensor([e.width for e in experts], device=x.device)
@@ -114,6 +117,22 @@ class DsmoeTrainingMLP(nn.Module):
         down = torch.cat([e.down.weight for e in experts], dim=1)  # (d, d_h)
         out = nn.functional.linear(hidden, down, self.moe.down_bias)  # sum_i w_i o_i (+ bias); Eq. 6-7
         return out.reshape(shape)
+
+
+@contextmanager
+def sparsity_terms(wrappers: list[DsmoeTrainingMLP]) -> Iterator[list[Tensor]]:
+    """The sparsity terms of the forward passes inside the block, one per layer and pass in layer order.
+    Outside it the layers keep none: with ``recompute`` the backward pass runs each layer's forward again,
+    and a term kept from that run would hold its autograd graph, every activation of the layer, until the
+    next step."""
+    terms: list[Tensor] = []
+    for wrapper in wrappers:
+        wrapper.terms = terms
+    try:
+        yield terms
+    finally:
+        for wrapper in wrappers:
+            wrapper.terms = None
 
 
 def all_hidden(experts: nn.ModuleList, x: Tensor) -> Tensor:
@@ -239,8 +258,9 @@ def continue_training(ctx: ConversionContext, cfg: DsmoeConfig, seq_len: int) ->
     optimizer = torch.optim.AdamW([{"params": weights, "lr": cfg.lr}, {"params": gate_params, "lr": cfg.gate_lr}])
 
     def loss(model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
-        lm = lm_loss(model, batch)["loss"]
-        sparsity = torch.stack([w.sparsity for w in wrappers]).mean()  # 1/(LN) sum_l sum_n; Eq. 19
+        with sparsity_terms(wrappers) as terms:
+            lm = lm_loss(model, batch)["loss"]
+        sparsity = torch.stack(terms).mean()  # 1/(LN) sum_l sum_n; Eq. 19
         return {"loss": lm + cfg.sparsity_weight * sparsity, "lm": lm, "sparsity": sparsity}  # Eq. 17
 
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,

@@ -52,7 +52,7 @@ MORE = Method(
     convert=Deferred("moeify.methods.more.convert", "convert"),
     match_budget=match_budget,
     partitions_mlp=True,
-    memory=Deferred("moeify.methods.more.convert", "memory"),
+    memory=Deferred("moeify.methods.more.memory", "memory"),
     layer_by_layer=True,
 )
 

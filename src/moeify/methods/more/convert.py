@@ -28,7 +28,6 @@ from moeify.moe.build import moe_from_partition, static_layer
 from moeify.moe.importance import channel_importance
 from moeify.moe.partition import ExpertPartition, random_partition
 from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import PrototypeRouter, RandomRouter
 
@@ -140,12 +139,3 @@ def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
         layers.append({"layer": step.index, **info})
     return {"layers": layers, "converted_layers": budget.layers, "pruning_rate_uniform": budget.pruning_rate,
             "calibration": {"samples": cfg.calib_samples, "seq_len": cfg.seq_len, "tokens": int(batches.numel())}}
-
-
-def memory(shape: ModelShape, cfg: MoreConfig, nbytes: int) -> MethodMemory:
-    """Per converted layer: the float32 co-activation counts (m x m), then C_R in float64 and the normalised
-    affinity the spectral decomposition works on in place (``moe.spectral``): 4 + 2 x 8 bytes per entry at
-    the peak, and one stream batch's float32 hidden activations and activation-set marks."""
-    m = shape.intermediate
-    batch_tokens = 8 * cfg.seq_len
-    return method_memory(shape, cfg, nbytes, layer_statistics=(4 + 2 * 8) * m * m + 4 * batch_tokens * m * 4)

@@ -15,9 +15,9 @@ from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import ConversionContext
 from moeify.methods.teal.config import TealConfig
+from moeify.methods.teal.memory import QUANTILE_LIMIT
 from moeify.runtime.sparse_inputs import ThresholdedLinear
 
-QUANTILE_LIMIT = 2 ** 24  # torch.quantile's input size limit
 
 
 def magnitude_threshold(inputs: list[Tensor], sparsity: float) -> float:

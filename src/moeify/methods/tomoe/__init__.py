@@ -49,7 +49,7 @@ TOMOE = Method(
     convert=Deferred("moeify.methods.tomoe.convert", "convert"),
     match_budget=match_budget,
     runtime_options={"pseudo_moe": Deferred("moeify.methods.tomoe.pseudo_moe", "set_pseudo_moe")},
-    memory=Deferred("moeify.methods.tomoe.train", "memory"),
+    memory=Deferred("moeify.methods.tomoe.memory", "memory"),
     inference_copy=False,
 )
 

@@ -7,6 +7,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from moeify.options import method_config, option, require_at_most, require_multiple
 
+# Theta's sizes (Table 8), which the memory estimate reads too
+EMBED_DIM = 128   # d_e
+Z_DIM = 32        # the hypernetwork's input width
+GRU_HIDDEN = 64   # per direction: 2 x 64 = d_e
+
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from moeify.calibration.data import calibration_batches
 from moeify.methods.base import ConversionContext
-from moeify.methods.tomoe.config import TomoeConfig
-from moeify.methods.tomoe.modules import EMBED_DIM, KEEP_BIAS
+from moeify.methods.tomoe.config import EMBED_DIM, TomoeConfig
+from moeify.methods.tomoe.modules import KEEP_BIAS
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
 from moeify.moe.accounting import layer_attention_counts
 from moeify.moe.build import common_neurons_shared

@@ -27,11 +27,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moeify.arch.mlp import MlpWeights
+from moeify.methods.tomoe.config import EMBED_DIM, GRU_HIDDEN, Z_DIM
 from moeify.training import noise
 
-EMBED_DIM = 128   # d_e (Table 8)
-Z_DIM = 32        # the hypernetwork's input width (Table 8)
-GRU_HIDDEN = 64   # per direction: 2 x 64 = d_e
 KEEP_BIAS = 3.0   # b of Eq. 15: every mask starts (almost surely) all ones, "the whole model"
 
 

@@ -29,7 +29,6 @@ from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
 from moeify.methods.tomoe.config import TomoeConfig
 from moeify.methods.tomoe.modules import (
-    EMBED_DIM,
     AttentionMasks,
     HyperNetwork,
     LayerModules,
@@ -37,7 +36,6 @@ from moeify.methods.tomoe.modules import (
     st_gumbel_sigmoid,
 )
 from moeify.moe.head_dim import head_dim_costs
-from moeify.planning import MethodMemory, ModelShape, method_memory
 from moeify.training.distributed import gathered
 from moeify.training.loop import TrainPlan, train
 from moeify.training.losses import distillation_kl, final_hidden_states
@@ -228,13 +226,3 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
     theta.eval()
     return {**log.summary(), "curves": log.as_dict()["parts"],
             "checkpoints": None if checkpointing is None else str(checkpointing.folder)}
-
-
-def memory(shape: ModelShape, cfg: TomoeConfig, nbytes: int) -> MethodMemory:
-    """The weights stay frozen: what trains is Theta (per layer Proj_D^MLP's 128 x d_mid and the d x N
-    router; the hypernetwork and attention projections are smaller), and the masked MLPs keep their
-    (tokens, d_mid) masks and masked activations for the backward pass; the loss is a distillation KL. With
-    ``frozen_weights=float32`` a low-precision model is held in float32 while Theta trains."""
-    trainable = shape.layers * (EMBED_DIM * shape.intermediate + shape.hidden * cfg.num_experts)
-    return method_memory(shape, cfg, nbytes, trainable=trainable, extra_train_activations=2 * shape.intermediate * 4,
-                         distillation=True, frozen_in_float32=cfg.frozen_weights == "float32")

@@ -1,15 +1,17 @@
-"""``plan``: the peak memory a conversion will need, from the model's config alone (no weights read), and
-the check ``convert`` makes with it before loading anything."""
+"""The memory plan of converting a model named as a user names it (``moeify plan``, ``moeify.plan``), and the
+check ``convert`` makes with it before loading anything; ``planning`` holds the estimate itself.
+
+Outside the ``api`` package, whose import brings in every use case: a checkpoint folder is planned without
+importing torch (``ModelShape.from_checkpoint``), so ``moeify plan`` answers at once; other models have
+their config read by transformers."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from moeify.loading import load_config, model_source, working_dtype
+from moeify.dtypes import DTYPE_BYTES, dtype_name, working_dtype_name
 from moeify.methods import Method, method_configs
 from moeify.options import OptionError
 from moeify.planning import (
@@ -22,14 +24,26 @@ from moeify.planning import (
     plan_memory,
     preset_shape,
 )
+from moeify.sources import EMBEDDED_MODEL, model_source
 from moeify.training.recovery_options import RecoveryOptions
+
+if TYPE_CHECKING:
+    import torch
 
 
 def model_shape(model: str | Path | None) -> ModelShape:
-    """A preset's shape (``moeify.planning.PRESETS``: llama-2-7b, ...) or that of a checkpoint's config."""
+    """A preset's shape (``moeify.planning.PRESETS``: llama-2-7b, ...) or that of a checkpoint: read from its
+    folder's files where they tell, else from the config transformers reads (GGUF, hub, converted)."""
     if model is not None and str(model) in PRESETS:
         return preset_shape(str(model))
-    return ModelShape.from_config(load_config(model), str(model or "embedded:stories260K"))
+    name, source = str(model or EMBEDDED_MODEL), model_source(model)
+    if source.gguf_file is None and Path(source.path).is_dir():
+        shape = ModelShape.from_checkpoint(Path(source.path), name)
+        if shape is not None:
+            return shape
+    from moeify.loading import load_config
+
+    return ModelShape.from_config(load_config(model), name)
 
 
 def plan(model: str | Path | None, method: str, options: dict[str, Any] | None = None, *,
@@ -41,21 +55,21 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     ``shards``: per process of a training sharded over that many (``convert --fsdp`` under torchrun)."""
     spec, config, recovery = method_configs(method, options)
     shape = model_shape(model)
-    default = torch.bfloat16 if str(model) in PRESETS else None
-    work_dtype = working_dtype(dtype, shape.config) if dtype is not None or default is None else default
+    default = "bfloat16" if str(model) in PRESETS else None
+    work_dtype = working_dtype_name(dtype, shape.config) if dtype is not None or default is None else default
     gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
     return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf,
                        layer_by_layer, eval_tokens, shards, recovery)
 
 
-def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: torch.dtype, eval_seq_len: int, device: str,
+def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: str | torch.dtype, eval_seq_len: int, device: str,
                 gguf: bool, layer_by_layer: bool = False, eval_tokens: int | None = None,
                 shards: int = 1, recovery: RecoveryOptions | None = None) -> MemoryPlan:
     """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device`` (and
     recovering it, where ``recovery`` asks for tokens); a CPU conversion of a safetensors checkpoint (not
     ``gguf``, which is dequantised) keeps it memory-mapped."""
-    memory = spec.memory(shape, config, torch.finfo(dtype).bits // 8)
-    on_cpu = torch.device(device).type == "cpu"
+    memory = spec.memory(shape, config, DTYPE_BYTES[dtype_name(dtype)])
+    on_cpu = str(device).split(":")[0] == "cpu"
     return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy,
                        mapped=on_cpu and not gguf, on_cpu=on_cpu, layer_by_layer=layer_by_layer,
                        eval_tokens=eval_tokens, shards=shards,
@@ -81,7 +95,9 @@ def recovery_memory(shape: ModelShape, options: RecoveryOptions) -> MethodMemory
 
 def available_memory(device: str) -> int | None:
     """Bytes free for a conversion on ``device`` (CPU: the kernel's MemAvailable), or None if unknown."""
-    if torch.device(device).type == "cuda":
+    if str(device).startswith("cuda"):
+        import torch
+
         return torch.cuda.mem_get_info()[0]
     try:
         with open("/proc/meminfo") as meminfo:
@@ -101,7 +117,7 @@ def check_fits(memory: MemoryPlan, device: str, layer_by_layer_possible: bool = 
     hints = []
     if layer_by_layer_possible and not memory.layer_by_layer:
         hints.append("--layer-by-layer (one decoder layer in memory at a time)")
-    if memory.dtype == torch.float32:
+    if memory.dtype == "float32":
         hints.append("--dtype bfloat16 (half the weights)")
     if phase == "convert":
         hints.append("fewer calibration windows (--set calib_samples=...) or a shorter --set seq_len")
