@@ -11,6 +11,7 @@ import moeify
 from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
+from moeify.calibration.similarity import mean_cosine_matrix
 from moeify.methods.dense2moe import Dense2moeConfig
 from moeify.methods.dense2moe.build import Span, expert_sources, fold_mlp_norm, rank_spans, select_span, select_spans
 from moeify.methods.dense2moe.config import span_sizes
@@ -32,6 +33,16 @@ def five_layers(family: str):
 
 S_L = [[1.0, 0.9, 0.7, 0.5], [0.9, 1.0, 0.95, 0.8], [0.7, 0.95, 1.0, 0.85], [0.5, 0.8, 0.85, 1.0]]
 S_M = [[1.0, 0.9, 0.8, 0.6], [0.9, 1.0, 0.6, 0.5], [0.8, 0.6, 1.0, 0.95], [0.6, 0.5, 0.95, 1.0]]
+
+
+def test_the_similarity_matrix_is_the_mean_per_token_cosine():
+    """Eq. 4-5: S[l][m] = mean over tokens of cos(x_t^(l), x_t^(m)), symmetric with a unit diagonal."""
+    generator = torch.Generator().manual_seed(0)
+    units = [torch.nn.functional.normalize(torch.randn(50, 8, generator=generator), dim=-1) for _ in range(4)]
+    expected = torch.tensor([[float((a * b).sum(-1).mean()) for b in units] for a in units])
+    matrix = mean_cosine_matrix(units)
+    torch.testing.assert_close(matrix, expected)
+    assert torch.equal(matrix, matrix.T) and torch.allclose(matrix.diagonal(), torch.ones(4))
 
 
 def test_spans_ranked_by_layer_output_similarity_and_delta_read_as_a_distance():

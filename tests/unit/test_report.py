@@ -2,6 +2,9 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,8 @@ from moeify.cli.main import main
 from moeify.methods import get_method
 from moeify.methods.cmoe.config import spec_for_share
 from moeify.report.build import markdown_table, pareto_front
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pareto_front_keeps_the_undominated_points():
@@ -43,6 +48,17 @@ def two_runs(tmp_path_factory):
     for name, method, option in (("a", "cmoe", "spec=S1A1E8"), ("b", "static_prune", "active_ratio=0.6")):
         assert main(["convert", "--method", method, "--set", option, "--out", str(root / name)]) == 0
     return root
+
+
+@pytest.mark.slow  # two_runs
+def test_a_report_reads_records_without_importing_torch(two_runs, tmp_path):
+    """``moeify report`` needs no model, so it starts at once: torch is never imported."""
+    script = ("import sys; from moeify.cli.main import main; "
+              f"code = main(['report', {str(two_runs / 'a')!r}, {str(two_runs / 'b')!r}, '--out', {str(tmp_path / 'r')!r}]); "
+              "print(code, [m for m in ('torch', 'transformers') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(ROOT / "src")},
+                            capture_output=True, text=True)
+    assert result.stdout.splitlines()[-1] == "0 []", result.stdout + result.stderr
 
 
 @pytest.mark.slow  # two_runs

@@ -19,7 +19,8 @@ then a high s(x^(l), x^(l+n)) says that layers l+1 .. l+n changed the residual s
 what makes them the ones to remove. We use the output.
 
 Memory: every pair needs both layers' vectors, so the unit vectors of x and h are kept for every layer
-and calibration token (2 N T d floats, on the CPU); lower the calibration tokens for large models.
+and calibration token (2 N T d floats, on the CPU; no copy of them is made); lower the calibration tokens
+for large models.
 """
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ def unit_rows(chunks: list[Tensor]) -> Tensor:
 
 
 def mean_cosine_matrix(units: list[Tensor]) -> Tensor:
-    """M[l][m] = mean_t u_l(t) . u_m(t) for unit vectors u_l: (tokens, d) per layer -> (layers, layers)."""
-    stacked = torch.stack(units)  # (layers, tokens, d)
-    return torch.einsum("ltd,mtd->lm", stacked, stacked) / stacked.shape[1]  # mean per-token cosine; Eq. 4-5
+    """M[l][m] = mean_t u_l(t) . u_m(t) for unit vectors u_l: (tokens, d) per layer -> (layers, layers): the
+    sum over tokens of the per-token cosines is one dot product of the flattened vectors (Eq. 4-5), taken pair
+    by pair so that no copy of the N T d floats is made."""
+    flat = [u.reshape(-1) for u in units]
+    matrix = torch.empty(len(flat), len(flat))
+    for l, a in enumerate(flat):
+        for m in range(l, len(flat)):
+            matrix[l, m] = matrix[m, l] = torch.dot(a, flat[m])
+    return matrix / units[0].shape[0]
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summary_rows(rec: dict) -> list[tuple[str, str]]:
     """The summary table of a record (``convert`` and ``recover`` print it)."""
-    from moeify.evaluation.perplexity import describe_change
+    from moeify.evaluation.record import describe_change
 
     rows = [("dense perplexity", f"{rec['metrics']['dense_ppl']:.3f}")]
     recovery = rec.get("recovery")

@@ -106,11 +106,6 @@ def _scored_windows(stream: Tensor, seq_len: int, stride: int | None) -> list[tu
     return windows
 
 
-def describe_change(change: float, stderr: float | None) -> str:
-    """``relative_change``'s result as text: "+4.20 % +- 0.86 %" (no error for a single window)."""
-    return f"{100 * change:+.2f} %" + ("" if stderr is None else f" +- {100 * stderr:.2f} %")
-
-
 @torch.no_grad()
 def perplexity(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: int, *, protocol: str = "windows",
                stride: int | None = None, batch_size: int = 8, max_windows: int | None = None,

@@ -36,3 +36,9 @@ def read_record(folder: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+
+
+def describe_change(change: float, stderr: float | None) -> str:
+    """A perplexity change as a record holds it (``perplexity.relative_change``) as text: "+4.20 % +- 0.86 %"
+    (no error for a single window)."""
+    return f"{100 * change:+.2f} %" + ("" if stderr is None else f" +- {100 * stderr:.2f} %")

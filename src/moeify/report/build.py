@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moeify.evaluation.perplexity import describe_change
-from moeify.evaluation.record import read_record
+from moeify.evaluation.record import describe_change, read_record
 
 
 def read_runs(folders: list[Path]) -> list[dict[str, Any]]:

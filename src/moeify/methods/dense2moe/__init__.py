@@ -77,6 +77,7 @@ DENSE2MOE = Method(
             "of the kept layer (softmax top-k), fine-tune",
     config_cls=Dense2moeConfig,
     convert=Deferred("moeify.methods.dense2moe.convert", "convert"),
+    memory=Deferred("moeify.methods.dense2moe.memory", "memory"),
     match_budget=match_budget,
     model_analysis=Deferred("moeify.methods.dense2moe.analysis", "similarity_analysis"),
     paper_ratio="model",
