@@ -79,7 +79,8 @@ def qk_pair_importance(squares: HeadDimSquares) -> Tensor:
 
 
 def vo_dim_importance(squares: HeadDimSquares, o_weight: Tensor) -> Tensor:
-    """(hd,) float64 score of each value/output dimension; ``o_weight`` (d, heads x hd) is o_proj's weight."""
+    """(hd,) float64 score of each value/output dimension; ``o_weight`` (d, heads x hd) is the output
+    projection's weight."""
     values = squares.mean("v").repeat_interleave(squares.groups, dim=0)  # (heads, hd)
     columns = o_weight.detach().double().pow(2).sum(0).cpu().view(values.shape)  # ||W_o[:, (h, j)]||^2
     return (values * columns).sum(0)

@@ -1,4 +1,5 @@
-"""Build ``PrunedAttention`` from a dense attention module: shared by ToMoE and the static-prune baseline.
+"""Build ``PrunedAttention`` from a decoder layer's dense attention: shared by ToMoE and the static-prune
+baseline. The projections come by role (q, k, v, o) from ``DecoderAdapter.attention_projections``.
 
 Head-dimension pruning needs LLaMA-style attention: separate q/k/v/o projections and a rotary embedding
 over the whole head, with no norm on the query/key heads (a Qwen3-style q_norm normalises over the
@@ -11,15 +12,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moeify.arch import DecoderAdapter
 from moeify.runtime.attention import PrunedAttention
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ROLES = ("q", "k", "v", "o")
 
 
-def head_dim_support(attn: nn.Module) -> str | None:
-    """None when ``attn`` can have its head dimension pruned, else the reason it cannot."""
-    if not all(isinstance(getattr(attn, name, None), nn.Linear) for name in _PROJECTIONS):
-        return f"{type(attn).__name__} has no separate q_proj/k_proj/v_proj/o_proj projections"
+def head_dim_support(adapter: DecoderAdapter, i: int) -> str | None:
+    """None when layer ``i``'s attention can have its head dimension pruned, else the reason it cannot."""
+    attn = adapter.attention_module(i)
+    if sorted(adapter.attention_projections(i)) != sorted(_ROLES):
+        return f"{type(attn).__name__} has no separate query, key, value and output projections"
     if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
         return f"{type(attn).__name__} normalises query/key heads over the full head dimension"
     if getattr(attn.config, "attn_logit_softcapping", None):
@@ -38,20 +41,21 @@ def rope_pairs(first_half: Tensor, head_dim: int) -> Tensor:
     return torch.cat([first_half, first_half + head_dim // 2])
 
 
-def _geometry(attn: nn.Module) -> tuple[int, int, int, int]:
-    d = attn.q_proj.in_features
-    head_dim = attn.head_dim
-    return d, attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim, head_dim
+def _geometry(projections: dict[str, nn.Linear], head_dim: int) -> tuple[int, int, int]:
+    """(d, query heads, key/value heads)."""
+    return (projections["q"].in_features, projections["q"].out_features // head_dim,
+            projections["k"].out_features // head_dim)
 
 
-def head_dim_costs(attn: nn.Module) -> tuple[int, int, int]:
-    """Projection parameters of a LLaMA-style attention per kept query/key dimension (q and k rows of
-    every head), per kept value/output dimension (v rows, o columns) and independent of the head
-    dimension (the o_proj bias): what a head-dimension budget (ToMoE's R_P) counts."""
-    d, heads, kv_heads, _ = _geometry(attn)
-    qk = d * (heads + kv_heads) + (heads + kv_heads if attn.q_proj.bias is not None else 0)
-    vo = d * (heads + kv_heads) + (kv_heads if attn.v_proj.bias is not None else 0)
-    return qk, vo, d if attn.o_proj.bias is not None else 0
+def head_dim_costs(adapter: DecoderAdapter, i: int) -> tuple[int, int, int]:
+    """Projection parameters of layer ``i``'s LLaMA-style attention per kept query/key dimension (q and k
+    rows of every head), per kept value/output dimension (v rows, o columns) and independent of the head
+    dimension (the output projection's bias): what a head-dimension budget (ToMoE's R_P) counts."""
+    p = adapter.attention_projections(i)
+    d, heads, kv_heads = _geometry(p, adapter.attention_module(i).head_dim)
+    qk = d * (heads + kv_heads) + (heads + kv_heads if p["q"].bias is not None else 0)
+    vo = d * (heads + kv_heads) + (kv_heads if p["v"].bias is not None else 0)
+    return qk, vo, d if p["o"].bias is not None else 0
 
 
 def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor) -> Tensor:
@@ -59,33 +63,35 @@ def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor) -> Tensor:
     return weight.reshape(heads, head_dim, *weight.shape[1:])[:, index].reshape(heads * len(index), *weight.shape[1:])
 
 
-def pruned_attention(attn: nn.Module, qk_index: Tensor, vo_index: Tensor | None = None,
+def pruned_attention(adapter: DecoderAdapter, i: int, qk_index: Tensor, vo_index: Tensor | None = None,
                      router: nn.Module | None = None) -> PrunedAttention:
-    """A ``PrunedAttention`` with the weights of ``attn`` at the kept head dimensions: ``qk_index`` for
-    query/key (pairs, see ``rope_pairs``), and ``vo_index`` (static) or ``router`` (top-K per token)."""
-    reason = head_dim_support(attn)
+    """A ``PrunedAttention`` with the weights of layer ``i``'s attention at the kept head dimensions:
+    ``qk_index`` for query/key (pairs, see ``rope_pairs``), and ``vo_index`` (static) or ``router`` (top-K
+    per token)."""
+    reason = head_dim_support(adapter, i)
     if reason is not None:
         raise ValueError(f"cannot prune the head dimension: {reason}")
     if (vo_index is None) == (router is None):
         raise ValueError("give exactly one of vo_index (static) and router (top-K per token)")
-    d, heads, kv_heads, head_dim = _geometry(attn)
+    attn, p = adapter.attention_module(i), adapter.attention_projections(i)
+    head_dim = attn.head_dim
+    d, heads, kv_heads = _geometry(p, head_dim)
     spec = {"hidden_size": d, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
             "qk_index": qk_index.tolist(), "vo_index": None if vo_index is None else vo_index.sort().values.tolist(),
-            "router": None if router is None else router.spec(), "bias": attn.q_proj.bias is not None,
-            "o_bias": attn.o_proj.bias is not None, "sliding_window": getattr(attn, "sliding_window", None),
-            "dense_params": sum(p.numel() for name in _PROJECTIONS for p in getattr(attn, name).parameters())}
-    new = PrunedAttention(spec, attn.config, attn.layer_idx).to(attn.q_proj.weight)
+            "router": None if router is None else router.spec(), "bias": p["q"].bias is not None,
+            "o_bias": p["o"].bias is not None, "sliding_window": getattr(attn, "sliding_window", None),
+            "dense_params": sum(t.numel() for proj in p.values() for t in proj.parameters())}
+    new = PrunedAttention(spec, attn.config, attn.layer_idx).to(p["q"].weight)
     vo = torch.arange(head_dim) if vo_index is None else torch.tensor(spec["vo_index"])
     with torch.no_grad():
-        for name, heads_of, index in (("q_proj", heads, qk_index), ("k_proj", kv_heads, qk_index),
-                                      ("v_proj", kv_heads, vo)):
-            old, proj = getattr(attn, name), getattr(new, name)
-            proj.weight.copy_(_rows(old.weight, heads_of, head_dim, index))
-            if old.bias is not None:
-                proj.bias.copy_(_rows(old.bias, heads_of, head_dim, index))
-        new.o_proj.weight.copy_(_rows(attn.o_proj.weight.t(), heads, head_dim, vo).t())
-        if attn.o_proj.bias is not None:
-            new.o_proj.bias.copy_(attn.o_proj.bias)
+        for role, proj, heads_of, index in (("q", new.q_proj, heads, qk_index), ("k", new.k_proj, kv_heads, qk_index),
+                                            ("v", new.v_proj, kv_heads, vo)):
+            proj.weight.copy_(_rows(p[role].weight, heads_of, head_dim, index))
+            if p[role].bias is not None:
+                proj.bias.copy_(_rows(p[role].bias, heads_of, head_dim, index))
+        new.o_proj.weight.copy_(_rows(p["o"].weight.t(), heads, head_dim, vo).t())
+        if p["o"].bias is not None:
+            new.o_proj.bias.copy_(p["o"].bias)
         if router is not None:
             new.router.load_state_dict(router.state_dict())
     return new

@@ -28,7 +28,7 @@ def _attention_blocker(adapter: DecoderAdapter, cfg: StaticPruneConfig) -> str |
     """Why the attention is left dense (None: it is pruned)."""
     if cfg.attention == "off":
         return "attention=off"
-    reasons = (head_dim_support(adapter.attention_module(i)) for i in range(adapter.num_layers))
+    reasons = (head_dim_support(adapter, i) for i in range(adapter.num_layers))
     return next((reason for reason in reasons if reason is not None), None)
 
 
@@ -70,7 +70,7 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
             count = max(1, round(keep_share * weights.intermediate_size))
         else:
             qk_index, vo_index = static_head_dims(head_squares, projections["o"].weight, cfg.active_ratio)
-            pruned = pruned_attention(attn, qk_index, vo_index=vo_index)
+            pruned = pruned_attention(adapter, i, qk_index, vo_index=vo_index)
             # The layer's budget r x (P_attn + P_mlp), less what the pruned attention activates.
             budget = cfg.active_ratio * (adapter.attention_params(i) + weights.num_params) - pruned.active_params()
             count = _channels_for(weights, budget)

@@ -59,7 +59,7 @@ CURVES_PNG = "tomoe_training.png"
 def resolve_attention(ctx: ConversionContext, cfg: TomoeConfig) -> tuple[TomoeConfig, str | None]:
     """``cfg`` with ``attention=auto`` made on or off for this model, and why attention cannot be on here
     (None: it can); ``attention=on`` where it cannot is refused."""
-    blocker = head_dim_support(ctx.adapter.attention_module(0))
+    blocker = head_dim_support(ctx.adapter, 0)
     if cfg.attention == "on" and blocker:
         raise OptionError(f"attention=on is not possible for this model: {blocker}; use attention=off")
     if cfg.attention == "auto":
@@ -213,5 +213,5 @@ def _prune_attention_(adapter: Any, i: int, modules: Any, mean_embedding: Tensor
     router.proj_e.bias.copy_(modules.proj_e.bias + mean_embedding)  # (1/N) 1^T E as Proj_E's bias (§3.5)
     router.norm.load_state_dict(modules.proj_vo[0].state_dict())
     router.proj_d.load_state_dict(modules.proj_vo[2].state_dict())
-    adapter.replace_attention_(i, pruned_attention(attn, rope_pairs(kept, attn.head_dim), router=router))
+    adapter.replace_attention_(i, pruned_attention(adapter, i, rope_pairs(kept, attn.head_dim), router=router))
     return {"qk_dims": 2 * kept.numel(), "vo_top_k": top_k, "head_dim": attn.head_dim}

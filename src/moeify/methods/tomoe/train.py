@@ -139,7 +139,7 @@ class MaskedModel:
             f, p = shares[i] / tokens                                                # F_i, P_i over the tokens
             balance.append(n * (f * p).sum())                                          # Eq. 9
         for i, masks in enumerate(self.attention):
-            per_qk, per_vo, fixed = head_dim_costs(adapter.attention_module(i))
+            per_qk, per_vo, fixed = head_dim_costs(adapter, i)
             active.append(masks.qk_kept.sum() * per_qk + widths[i] / tokens * per_vo + fixed)
             unions.append(f_reg((1 - kept[i]).mean(), 1.0))                            # Eq. 6-7
         if not self.attention:
