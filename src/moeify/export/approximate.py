@@ -9,9 +9,10 @@ model that no format computes exactly, chosen on calibration text and measured o
   The top-k gates are the top-k scores x Y, so nothing is fitted; a token's set is reproduced exactly
   when its |A| = k (agreement), so k is the most common |A| >= 1 over every layer's calibration tokens.
   The mean |A| would keep the conversion's compute, but a layer whose gates are mostly off drags it
-  below what every other layer runs: a 10-step DSMoE of SmolLM2 (one layer at 0.04 experts per token, the
-  others at 5.6-8.0 of 8) has mean 7, held-out agreement 0.07 and perplexity 23.4 -> 48.1 at k = 7, and
-  agreement 0.85, perplexity 23.4 -> 21.7 at its most common count, 8 (``benchmarks/serve_vllm.py``).
+  below what every other layer runs: in a 10-step DSMoE of SmolLM2 (one layer with almost every gate off,
+  the others running most of their experts) k at the mean reproduces almost no held-out token's set and
+  about doubles the perplexity, where k at the most common count reproduces most of them and does not
+  raise it (``benchmarks/serve_vllm.py``).
 * ToMoE's per-token value/output head dimensions (Eq. 4-5): the K dimensions the most calibration tokens
   keep, the same K for every token (so the same activated parameters), zero-padded like static pruning;
   agreement: the mean share of a held-out token's own K dimensions in that static set.
@@ -20,9 +21,9 @@ model that no format computes exactly, chosen on calibration text and measured o
   are the difference).
 * Dense layers (``--dense-layers``; exact layers too, to serve faster): routed layers as dense MLPs of every
   neuron they hold (``hf_parts.dense_form``), named or chosen as the layers whose dense form makes the
-  format's layout cheapest (``auto``). A ToMoE of SmolLM2 trained 250 steps keeps 1,465 of 1,536 neurons
-  per token in layer 0 and 331-665 in the others; qwen2_moe pads every layer to layer 0's shared part
-  (1,472 + 104 neurons per token, more than dense); with layer 0 dense (its 1,475 neurons), 584 + 104
+  format's layout cheapest (``auto``). A ToMoE of SmolLM2 trained 250 steps keeps nearly every neuron per
+  token in layer 0 and under half in the others; qwen2_moe pads every layer to layer 0's shared part (more
+  neurons per token than dense); with layer 0 dense, every other layer runs under half the dense width
   (``benchmarks/serve_vllm.py``, row ``tomoe-250-dense``).
   Agreement: the mean cosine similarity of the layer's output and its dense form's on held-out tokens.
 

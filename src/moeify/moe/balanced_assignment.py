@@ -10,10 +10,10 @@ k-means. Its assignment step (CMoE Eq. 11-13) is the transportation problem
 
 where ``d_ij`` is the distance of neuron ``i`` to centroid ``j`` and ``m_j`` the size of
 cluster ``j``. The paper repeats every column ``m_j`` times into an ``n x n`` matrix and runs
-Jonker-Volgenant (``scipy.optimize.linear_sum_assignment``), which costs ``O(n^3)``: about 90 s
+Jonker-Volgenant (``scipy.optimize.linear_sum_assignment``), which costs ``O(n^3)``: over a minute
 per k-means iteration at ``n = 9632, k = 14`` on two CPU cores. With only ``k`` sinks the same
 optimum is a min-cost flow on ``n + k`` nodes and ``n * k`` arcs, which OR-Tools' cost-scaling
-push-relabel solves in a few tens of milliseconds (``benchmarks/bench_balanced_assignment.py``).
+push-relabel solves about three orders of magnitude faster (``benchmarks/bench_balanced_assignment.py``).
 
 The solver needs integer costs, so the float costs are scaled and rounded (see
 ``_min_cost_flow_labels`` for the bound on what that can cost), and the result is then certified

@@ -4,11 +4,11 @@ glibc serves an allocation from its heap unless it is larger than the mmap thres
 threshold (from 128 KiB up to 32 MiB) each time a large mmap-ed block is freed. A training step then puts
 its layer activations (a few MiB each) on the heap, frees them and allocates others of other sizes, and
 the heap fragments: the process keeps gigabytes of freed memory. Measured on SmolLM2-135M, CMoE's
-fine-tune at 4 x 512 tokens (benchmarks/bench_train_memory.py): peak RSS 3.8-4.3 GiB with glibc's
-dynamic threshold, 2.3 GiB with a fixed 4 MiB one, at about 20 % more time per step (the page faults
-of mapping fresh memory); 1 MiB gave 2.0 GiB at 30 % more time. A layer-at-a-time pass frees a layer's
+fine-tune at 4 x 512 tokens (benchmarks/bench_train_memory.py): a fixed 4 MiB threshold nearly halves the
+peak RSS of glibc's dynamic one, at about a fifth more time per step (the page faults of mapping fresh
+memory); 1 MiB saves a little more memory for more time still. A layer-at-a-time pass frees a layer's
 weights (tens of MiB) per layer: with the dynamic threshold a 1.1B-parameter model held a layer at a
-time grew by about a layer per layer (2.1 GiB at the end), with a fixed 1 MiB one it peaked at 1.06 GiB.
+time grew by about a layer per layer, to about twice the peak it keeps with a fixed 1 MiB one.
 A fixed threshold is set for the rest of the process, unless the user chose one (``MALLOC_MMAP_THRESHOLD_``)
 or the C library is not glibc.
 """

@@ -17,11 +17,11 @@ the whole head): every head keeps the same head dimensions.
   dimensions (the form of ToMoE Appendix B.3): the function of computing only the kept dimensions.
   Computing only those was measured slower on CPU at every token count from one to 512 (one layer of
   SmolLM2's shape, float32): one small product per head dimension over the tokens that kept it took
-  6.5-23 times the masked products' time, gathering each token's weight rows 5-9 times at one to four
-  tokens and more beyond. Selecting rows of projections this small costs more than the half of them it skips. The
-  activated parameters count the K dimensions (the paper's definition). The value cache stores
-  full-width heads with zeros outside each token's dimensions, because the attention mixes tokens with
-  different selections.
+  several times to over an order of magnitude longer than the masked products, gathering each token's
+  weight rows several times as long at one to four tokens and more beyond. Selecting rows of projections
+  this small costs more than the half of them it skips. The activated parameters count the K dimensions
+  (the paper's definition). The value cache stores full-width heads with zeros outside each token's
+  dimensions, because the attention mixes tokens with different selections.
 """
 
 from __future__ import annotations

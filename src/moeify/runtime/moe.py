@@ -14,7 +14,7 @@ Two paths compute the same function. While gradients are on (training), each exp
 (``packed.PackedExperts``): zero padding is exact, and what it buys is that the float32 sums run through
 the same kernels, in the same order, as in a ``moeify export`` of the model, so the exported model
 reproduces the native logits bit for bit. Equal experts run as fast as the per-expert loop; unequal ones
-pay for their padding (MoRE: ~8-12 %, benchmarks/bench_export_layout.py). The packed copy is rebuilt
+pay for their padding (MoRE: about a tenth, benchmarks/bench_export_layout.py). The packed copy is rebuilt
 whenever a weight changes, and dropped by the next forward with gradients on; it holds the layer's
 weights a second time while it exists. A projection wrapped by an adapter (LoRA) keeps the per-expert
 path. Experts that overlap (ToMoE's) are stored once (``experts.SharedNeuronExperts``) and have no

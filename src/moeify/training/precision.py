@@ -11,14 +11,15 @@ run drifts from its float32 twin. So, as torch's automatic mixed precision does:
   reductions and the losses in float32 (the backward follows the forward's dtypes);
 - when every parameter is trained (DSMoE, Dense2MoE), the masters make the whole model float32 already,
   and it computes in float32: autocast would save activation memory and GPU time but its rounded
-  gradients move the result (Dense2MoE on SmolLM2, 10 steps: 3.6 % perplexity from the float32 run under
-  bfloat16 autocast, 0.06 % in float32 arithmetic: ``benchmarks/bench_bf16.py``);
+  gradients move the result (Dense2MoE on SmolLM2, 10 steps: a few percent in perplexity from the float32
+  run under bfloat16 autocast, well under a tenth of a percent in float32 arithmetic:
+  ``benchmarks/bench_bf16.py``);
 - or a method holds its frozen low-precision weights in float32 while it trains (``held_in_float32``):
   the run then computes exactly what the float32 conversion of the same weights computes (a bfloat16
   number is a float32 one), at the cost of float32 weights in memory. Where a run's hard decisions make
   it land elsewhere under the smallest change of its gradients (ToMoE's masks at a few hundred steps:
-  3.4 % perplexity between its autocast and float32 runs on SmolLM2), only this keeps a bfloat16
-  conversion the float32 one's model;
+  its autocast and float32 runs on SmolLM2 land a few percent apart in perplexity), only this keeps a
+  bfloat16 conversion the float32 one's model;
 - float16 (smallest normal 6e-5) under autocast: the gradient of a mean over thousands of tokens
   underflows, so the loss is scaled (``torch.amp.GradScaler``: a dynamic scale; a step whose gradients
   hold inf/NaN is skipped and the scale halved). bfloat16 has float32's range and needs no scaling.

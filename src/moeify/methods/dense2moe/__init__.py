@@ -14,8 +14,8 @@
    (sizes differing by at most one), each fused into its own kept layer: §4.1's "top-k redundant
    layers" need not be contiguous, while §2.3 describes one span. They are chosen greedily, largest
    first, each the first in S_L order that qualifies and shares no layer with those already chosen.
-   delta = 0.3 (the paper gives no value) lets adjacent layers of stories260K qualify (distances
-   0.12-0.15) and spans of two (0.25-0.29).
+   delta = 0.3 (the paper gives no value) lets adjacent layers of stories260K qualify (their distances
+   well below it) and spans of two (just below it).
 3. Pruning and Layer-Fusion Upcycling (Eq. 6): layers l*+1 .. l*+n* are removed entirely, not only their
    attention: §2 "retain the first layer ..., drop all subsequent layers, and retain their MLPs in the
    first layer as experts", and Eq. 6 goes from x^(l*-1) to x^(l*+n*) through MHA^(l*) alone. Their
@@ -33,20 +33,20 @@
      W_g ~ N(0, initializer_range^2) from the seed, so identical copies get different tokens from the
      first step and training breaks their symmetry;
    - what these choices do at top-1 with one removed layer on stories260K (held-out perplexity after
-     the default budget, seed 0, unless noted): ``lfuc`` beats the baselines by under 1 % with the
-     paper's weights p_i (8.90 against 8.93 for ``prune_only`` and 9.06 for ``prune_upcycle``), and by
-     about 1 % with ``router_weighting=upcycle`` (8.83 against 8.94 / 8.93), whose router ends sending
-     95-99.7 % of tokens to the kept MLP. At top-1 one MLP
-     replaces the other for a token; on the calibration tokens the removed layer's MLP restores the
-     dense layers' residual update better than the kept one for 38 % of tokens, but only by little: the
-     squared error of always taking the kept MLP is 11.60, of the per-token best 10.38, of the best
-     linear router (73 % of choices right) 11.49, of running both (top-2) 8.20. The alternatives tried
-     do not change that: W_g = 0 (every token ties to the kept MLP, the fused one never gets a token:
-     ``lfuc`` becomes ``prune_upcycle`` exactly, 7.849 both at lr 3e-4), W_g fitted to that per-token
-     best choice (untrained perplexity 11.38 against 12.15 with the random router and 10.80 for
-     ``prune_only``), the removed MLP reading l*'s normed input without folding its own norm (8.85). The
-     paper's p_i is the default although E / k measured better on stories260K, as the paper writes it.
-     The learning rate decides the order (``dense2moe_train``); top-2 is decisive (8.07 against 8.93);
+     the default budget, seed 0, unless noted; ``benchmarks/bench_dense2moe.py``): ``lfuc`` beats both
+     baselines by under a percent with the paper's weights p_i, and by about a percent with
+     ``router_weighting=upcycle``, whose router ends sending nearly every token to the kept MLP. At
+     top-1 one MLP replaces the other for a token; on the calibration tokens the removed layer's MLP
+     restores the dense layers' residual update better than the kept one for over a third of the
+     tokens, but only by little: the per-token best choice lowers the squared error of always taking the
+     kept MLP by about a tenth, the best linear router (right for about three tokens in four) by about a
+     percent, running both (top-2) by more than a quarter. The alternatives tried do not change that:
+     W_g = 0 (every token ties to the kept MLP, the fused one never gets a token: ``lfuc`` becomes
+     ``prune_upcycle`` exactly), W_g fitted to that per-token best choice (untrained, better than the
+     random router but still worse than ``prune_only``), the removed MLP reading l*'s normed input
+     without folding its own norm. The paper's p_i is the default although E / k measured better on
+     stories260K, as the paper writes it. The learning rate decides the order (``dense2moe_train``);
+     top-2 is decisive (about a tenth below ``prune_only``);
    - a norm after the MLP (Gemma-2/3's post_feedforward_layernorm; OLMo-2, which has no norm before it)
      stays the kept layer's: the MoE's output passes it, and a removed layer's own post-MLP norm is not
      carried over (an RMSNorm of an output cannot be folded into weights), so that expert approximates

@@ -27,21 +27,23 @@ Choices the paper leaves open:
   short run does not. Starting from the converted model as it is (``zero``: Y = 0, every gate exactly
   at tau = 1/2, the dense model) is no better: the threshold is a knife edge, and the first optimizer
   step, however small (measured on SmolLM2-135M down to gate_lr 1e-5), moves about a third of the
-  gates below it at once; with Eq. 8's n / |A| on the rest, the LM loss jumps from 3.5 to 16 in one
-  step. The default (``margin``) starts every gate on, away from the edge: each layer's Y_i is fit by
-  least squares to x Y_i = ``gate_margin`` (1, g0 = 0.73) for every token x of windows of the training
-  text, at least 4 d tokens (``config.FIT_TOKENS_PER_DIM``; the first batch where that is more), a
-  decoder layer at a time in float32, the layers before it already fitted. MLP inputs of pretrained
-  LLMs share a common direction, so the fit is close: the lowest start logit over the fitted tokens is
-  recorded (``gate_start_lowest_logit``; SmolLM2-135M: 0.83 over 2,304 tokens, and 0.58 over held-out
-  text, ``benchmarks/bench_dsmoe_start.py``). With fewer tokens the fit follows them, not that direction,
-  and held-out tokens start with experts off. The sparsity loss then lowers the gates until the least
-  useful cross tau, one token and expert at a time. SmolLM2-135M on WikiText-2 (4,000 characters of
-  test, dense perplexity 28.4): ``margin`` starts at the dense LM loss (3.50) and scores 27.6 after 30
-  steps at APR 0.94; ``zero`` scores 1,553 and ``random`` (first LM loss 11.0) 1,334 after 10.
+  gates below it at once; with Eq. 8's n / |A| on the rest, the LM loss jumps to several times the
+  dense model's in one step. The default (``margin``) starts every gate on, away from the edge: each
+  layer's Y_i is fit by least squares to x Y_i = ``gate_margin`` (1, g0 = 0.73) for every token x of
+  windows of the training text, at least 4 d tokens (``config.FIT_TOKENS_PER_DIM``; the first batch where
+  that is more), a decoder layer at a time in float32, the layers before it already fitted. MLP inputs
+  of pretrained LLMs share a common direction, so the fit is close: the lowest start logit over the
+  fitted tokens is recorded (``gate_start_lowest_logit``; on SmolLM2-135M it stays above 0, every gate
+  on, over the fitted tokens and over held-out text, ``benchmarks/bench_dsmoe_start.py``). With fewer
+  tokens the fit follows them, not that direction, and held-out tokens start with experts off. The
+  sparsity loss then lowers the gates until the least useful cross tau, one token and expert at a time.
+  On SmolLM2-135M (WikiText-2 test; figures in docs/methods.md) ``margin`` starts at the dense LM loss
+  and scores slightly below the dense perplexity after 30 steps with a few percent of the parameters
+  off; after 10 steps ``zero`` and ``random`` (whose first LM loss is already about three times the
+  dense one) score about fifty times the dense perplexity.
 - The gate scale (``gate_weighting``): ``neutral`` (1 / g0, the layer starts as the dense MLP) by
   default, Eq. 7-8 exactly (``paper``, scale 1) with the paper's random start, where the layer starts
-  at about 1.08x the dense output at std 0.1 (the paper's function), not 2.16x.
+  slightly above the dense output at std 0.1 (the paper's function), not at twice that.
 - AdamW with torch's defaults (betas 0.9/0.999, weight decay 0.01) at a constant learning rate; the
   gates have their own learning rate (``gate_lr``), because they must move much farther from their start
   than the pre-trained weights should move in a short run.

@@ -22,9 +22,9 @@ Per converted layer, from calibration activations streamed one decoder layer at 
 
 act_ratio and alpha were chosen on calibration text only (``benchmarks/bench_more_sweep.py``, SmolLM2-135M,
 calibrated on one half of WikiText-2 valid and scored on the other, PR 0.2; perplexities in
-``benchmarks/results/more_sweep.jsonl``): alpha 0 beats 0.5 and 1 (30.61 / 32.07 / 34.43 at act_ratio
-0.05), and at alpha 0 act_ratio 0.05 and 0.1 tie (30.61 / 30.63) ahead of 0.02 (32.37); at alpha 0.5 the
-ratios 0.001-0.1 score 32.07-34.46, best at 0.05.
+``benchmarks/results/more_sweep.jsonl``): at act_ratio 0.05 alpha 0 beats 0.5 and 0.5 beats 1, by several
+percent each; at alpha 0 act_ratio 0.05 and 0.1 tie, several percent ahead of 0.02; at alpha 0.5 the
+ratios 0.001-0.1 lie within a tenth of each other, best at 0.05.
 
 The layer is an ``MoeMLP`` whose shared part is the backbone and whose experts are the petals, so only
 the backbone and the chosen petal are computed.

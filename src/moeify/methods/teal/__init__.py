@@ -16,7 +16,7 @@ Choices:
 - Every cut-off is a step: an input crossing one changes the next projection by a whole threshold's worth,
   and that cascades through the layers, so the perplexity of a TEAL model moves by a few percent under
   perturbations of its inputs far below bfloat16's rounding (``benchmarks/bench_precision_floor.py``:
-  1.8 % at 16 float32 ulps on SmolLM2). Its bfloat16 and float32 runs differ by that much.
+  on SmolLM2 even at 16 float32 ulps). Its bfloat16 and float32 runs differ by that much.
 - The inference path is a masked dense product (``runtime.sparse_inputs``): PyTorch has no kernel that
   skips the zeroed columns, so a TEAL model runs at dense speed here; its quality is what it is compared
   on. Standard MoE export formats do not apply (it has no experts).

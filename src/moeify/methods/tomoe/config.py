@@ -49,8 +49,8 @@ class TomoeConfig:
         "float32", "how a bfloat16/float16 model's frozen weights compute while Theta trains: float32 (held in "
                    "float32 during training: a bfloat16 conversion learns what the float32 conversion of the same "
                    "weights learns; the weights take float32's memory), or working (kept in their dtype, the "
-                   "passes under its autocast: half that memory, but the masks learned differ; 3.4 % "
-                   "perplexity on SmolLM2 at 250 steps)")
+                   "passes under its autocast: half that memory, but the masks learned differ, and the "
+                   "converted model's perplexity with them)")
 
     def validate(self) -> None:
         require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)

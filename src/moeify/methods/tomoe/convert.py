@@ -15,8 +15,8 @@
   each expert's index list, as the official code keeps masks), which also gives Appendix B.3's pseudo-MoE.
   The neurons every expert of a layer has become its always-on shared part (``common_neurons_shared``):
   with one expert per token at weight 1 the function is the same, and the common part, most of each
-  expert once trained (89 % over SmolLM2's layers after the default 600 steps), runs as a dense product
-  rather than inside the routed experts, natively and in an export.
+  expert once trained (on SmolLM2 after the default 600 steps), runs as a dense product rather than
+  inside the routed experts, natively and in an export.
 - Attention: Q/K keep the dimensions of the noise-free s_0' (at least one pair); V/O become top-K routing,
   K = round(mean over calibration tokens of the noise-free s_t count, at least 1) (§3.3), with the mean expert
   embedding folded into Proj_E^MHA's bias (§3.5): a ``PrunedAttention`` with a ``HeadDimRouter``.
@@ -25,7 +25,7 @@
   weights, rounded. The paper trains over a frozen bfloat16 model; at a CPU budget of a few hundred steps
   ToMoE's hard masks make where a run lands depend on the smallest change of its gradients, and under
   bfloat16 autocast (``frozen_weights=working``, half the weights' memory) SmolLM2's 250-step conversion
-  landed 3.4 % in perplexity from the float32 one.
+  landed a few percent in perplexity from the float32 one.
 """
 
 from __future__ import annotations
