@@ -48,6 +48,7 @@ from moeify.arch import UnsupportedFamilyError, family_for
 from moeify.dtypes import DTYPE_BYTES, dtype_name
 from moeify.files import MOEIFY_KEY
 from moeify.presets import PRESETS
+from moeify.sources import weight_files
 
 if TYPE_CHECKING:
     import torch
@@ -128,15 +129,6 @@ class ModelShape:
         return cls(name, raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"], raw["vocab_size"],
                    raw["max_position_embeddings"], sum(counts.values()), mlp,
                    sum(n for key, n in counts.items() if key.startswith(layers)), config)
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files transformers loads from ``folder``: those its index names, or model.safetensors
-    (not any other, such as the consolidated.safetensors some releases ship beside them)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
 
 
 def safetensors_shapes(file: Path) -> dict[str, list[int]]:

@@ -3,6 +3,7 @@ and the file system alone: no torch, so commands that need no weights decide it 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -55,3 +56,16 @@ def _looks_local(name: str) -> bool:
     first part exists here (``runs/cmeo`` beside a ``runs`` folder is a mistyped run, not a hub model)."""
     return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
             or "/" in name and Path(name.split("/", 1)[0]).exists())
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers loads from ``folder`` (the Hugging Face layout): those its index names,
+    or model.safetensors; not any other, such as the consolidated.safetensors some releases ship beside them."""
+    if (folder / INDEX_FILE).is_file():
+        shards = set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values())
+        return [folder / name for name in sorted(shards)]
+    return [folder / SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else []

@@ -17,8 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from moeify.sources import INDEX_FILE, SINGLE_FILE
 
 
 class TensorFiles:
