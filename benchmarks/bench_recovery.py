@@ -68,7 +68,7 @@ def converted(method: str, apr: float, models: Path) -> Path:
     options = spec.match_budget(apr, DecoderAdapter(model))[0][0]
     ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=True)
     start = time.perf_counter()
-    details = spec.run(ctx, build_config(spec.config_cls, options))
+    details = spec.run(ctx, build_config(spec.config_cls, options)).details
     record = {"method": method, "options": options, "convert_s": time.perf_counter() - start,
               "details_keys": sorted(details)}
     moeify.save(ConversionResult(ctx.model.eval(), tokenizer, record), folder)

@@ -10,7 +10,39 @@ import dataclasses
 import inspect
 import math
 import typing
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """A method's training phase as its options declare it (``MethodOptions.training``): what the memory plan
+    counts, and what keeps a conversion from running layer by layer. ``lora``: LoRA adapters train (their
+    parameters, below 1 % of the model, are not counted), else the method's own parameters (all of them
+    unless its memory estimate says which). ``batch_size`` sequences of ``seq_len`` tokens per optimizer
+    step, in ``grad_accum`` micro-batches; ``recompute``: activation checkpointing."""
+
+    lora: bool
+    batch_size: int
+    grad_accum: int
+    seq_len: int
+    recompute: bool
+
+
+class MethodOptions:
+    """What every method config declares beside its options, so that the commands ask each config the same
+    questions: the calibration windows it draws and the training it runs for a given model."""
+
+    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
+        """(windows, tokens per window) of calibration text the conversion draws for this model, checked
+        against the text before any model work: none by default."""
+        return 0, 0
+
+    def training(self, model_config: PreTrainedConfig) -> Training | None:
+        """The training this conversion runs on this model: None (training-free) by default."""
+        return None
 
 
 class OptionError(ValueError):

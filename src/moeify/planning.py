@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedConfig
 
+    from moeify.options import MethodOptions
+
 GIB = 2**30
 PROCESS_BYTES = int(0.45 * GIB)  # Python, torch, transformers and moeify: a 260K-parameter conversion's peak
 EVAL_BATCH = 8                   # windows per forward in ``evaluation.perplexity``
@@ -325,30 +327,22 @@ def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: str, ev
     return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0, layer_by_layer=True)
 
 
-def calibration_seq_len(shape: ModelShape, cfg: Any) -> int:
-    """The calibration window a config asks for (its own default where it has one)."""
-    if hasattr(cfg, "effective_seq_len"):
-        return cfg.effective_seq_len(shape.config)
-    return getattr(cfg, "seq_len", None) or min(2048, shape.context)
-
-
-def method_memory(shape: ModelShape, cfg: Any, nbytes: int, *, layer_statistics: int | None = None,
+def method_memory(shape: ModelShape, cfg: MethodOptions, nbytes: int, *, layer_statistics: int | None = None,
                   trainable: int | None = None, extra_train_activations: int = 0,
                   distillation: bool = False, frozen_in_float32: bool = False) -> MethodMemory:
-    """A method's part of the estimate from its config's common options: ``calib_samples`` x the
-    calibration window; the training phase of ``steps`` (every parameter trained, unless ``trainable``
-    says otherwise) or of a LoRA fine-tune (``finetune_steps`` / ``finetune_samples``: LoRA's own
-    parameters, below 1 % of the model, are not counted); ``layer_statistics`` by default what one
-    calibration window's MLP hidden activations take in float32 (gate, up and their product)."""
-    seq = calibration_seq_len(shape, cfg)
-    calib = getattr(cfg, "calib_samples", 0) * seq
+    """A method's part of the estimate from what its config declares (``options.MethodOptions``): the
+    calibration windows it draws; its training phase (every parameter trained, unless ``trainable`` says
+    otherwise; a LoRA fine-tune's own parameters, below 1 % of the model, are not counted);
+    ``layer_statistics`` by default what one calibration window's MLP hidden activations take in float32
+    (gate, up and their product)."""
+    windows, seq = cfg.calibration_windows(shape.config)
+    calib = windows * seq
     stats = 3 * seq * shape.intermediate * 4 if layer_statistics is None else layer_statistics
     memory = MethodMemory(calib_tokens=calib, layer_statistics=stats if calib else 0)
-    steps, finetunes = getattr(cfg, "steps", 0), getattr(cfg, "finetunes", False)
-    if not (steps or finetunes):
+    training = cfg.training(shape.config)
+    if training is None:
         return memory
-    batch = cfg.finetune_batch_size if finetunes else cfg.batch_size
-    train_seq = (getattr(cfg, "finetune_seq_len", None) or seq) if finetunes else seq
-    count = 0 if finetunes else (shape.params if trainable is None else trainable)
-    return MethodMemory(calib, memory.layer_statistics, count, batch // cfg.grad_accum * train_seq, cfg.recompute,
+    count = 0 if training.lora else (shape.params if trainable is None else trainable)
+    micro_batch = training.batch_size // training.grad_accum * training.seq_len
+    return MethodMemory(calib, memory.layer_statistics, count, micro_batch, training.recompute,
                         extra_train_activations, distillation, frozen_in_float32)

@@ -28,7 +28,7 @@ def test_static_prune_mlp_only_meets_the_requested_ratio_and_computes_narrow(mak
     """``attention=off`` (the ablation, and the fallback where attention cannot be pruned): MLP channels
     alone meet the budget, so ratios at or below the attention's share are rejected with the range."""
     ctx = make_ctx(tiny_model("llama", **STORIES_VOCAB))
-    details = convert(ctx, StaticPruneConfig(active_ratio=0.6, attention="off", calib_samples=4, seq_len=64))
+    details = convert(ctx, StaticPruneConfig(active_ratio=0.6, attention="off", calib_samples=4, seq_len=64)).details
     assert not details["attention_pruned"] and details["attention_reason"] == "attention=off"
     assert not any(isinstance(m, PrunedAttention) for m in ctx.model.modules())
     layers = moe_layers(ctx.model)

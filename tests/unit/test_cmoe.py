@@ -17,7 +17,7 @@ def converted(family: str, make_ctx, **options):
     dense = tiny_model(family, **STORIES_VOCAB)
     moe = clone(dense)
     cfg = build_config(CmoeConfig, {"calib_samples": 4, "seq_len": 64, **options})
-    details = convert(make_ctx(moe), cfg)
+    details = convert(make_ctx(moe), cfg).details
     return dense, moe, details
 
 

@@ -70,7 +70,7 @@ def test_the_default_count_is_the_papers_share_and_spans_do_not_touch():
 
 def test_several_spans_each_fused_into_its_own_kept_layer(make_ctx):
     ctx = make_ctx(five_layers("llama"))
-    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "prune_layers": 2, "spans": 2, "delta": 2.0}))
+    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "prune_layers": 2, "spans": 2, "delta": 2.0})).details
     spans = details["selection"]
     assert len(spans) == 2 and all(s["n"] == 1 for s in spans)
     kept = [s["layer"] for s in spans]
@@ -149,7 +149,7 @@ def aligned(model):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_fused_model_generates_with_cache_and_reloads_identically(family, make_ctx, tokenizer, tmp_path):
     ctx = make_ctx(five_layers(family))
-    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "prune_layers": 2, "delta": 2.0}))
+    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "prune_layers": 2, "delta": 2.0})).details
     model = ctx.model
     [span] = details["selection"]
     assert model.config.num_hidden_layers == 3 and details["expert_sources"] == [[span["layer"], *span["removed"]]]
@@ -190,7 +190,7 @@ def test_activated_parameters_by_hand(make_ctx):
 def test_lfuc_experts_are_the_fused_mlps_and_prune_only_has_no_moe(make_ctx):
     dense = five_layers("qwen2")
     ctx = make_ctx(clone(dense))
-    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "num_copies": 2}))
+    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "num_copies": 2})).details
     [selection] = details["selection"]
     l_star, (removed,) = selection["layer"], selection["removed"]
     layer = moe_layers(ctx.model)[0]

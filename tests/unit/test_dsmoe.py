@@ -28,7 +28,7 @@ FAST = dict(seq_len=32, batch_size=2, analyses=False)
 def converted(family, make_ctx, work_dir=None, **options):
     dense = tiny_model(family, **STORIES_VOCAB)
     ctx = dataclasses.replace(make_ctx(clone(dense)), work_dir=work_dir)
-    details = convert(ctx, build_config(DsmoeConfig, {**FAST, **options}))
+    details = convert(ctx, build_config(DsmoeConfig, {**FAST, **options})).details
     return dense, ctx, details
 
 

@@ -115,7 +115,7 @@ def test_training_in_bfloat16_takes_the_float32_conversions_steps(name, options,
     for dtype in (torch.float32, torch.bfloat16):
         model = bf16_model(checkpoint)  # rotary frequencies float32, as loaded (a .to(bfloat16) would round them)
         models[dtype] = model.float() if dtype == torch.float32 else model
-        details = method.run(conversion_context(models[dtype], tokenizer, calib_text), config)
+        details = method.run(conversion_context(models[dtype], tokenizer, calib_text), config).details
         losses[dtype] = details["training"]["losses"]
     if options.get("frozen_weights") == "working":
         assert losses[torch.bfloat16][0] != losses[torch.float32][0]

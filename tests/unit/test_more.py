@@ -23,7 +23,7 @@ CALIB = {"calib_samples": "8", "seq_len": "64"}
 def test_every_expert_on_reproduces_the_dense_mlp_and_model(family, make_ctx):
     dense = tiny_model(family, **STORIES_VOCAB)
     ctx = make_ctx(clone(dense))
-    details = convert(ctx, build_config(MoreConfig, CALIB))
+    details = convert(ctx, build_config(MoreConfig, CALIB)).details
     layers = moe_layers(ctx.model)
     assert [d["layer"] for d in details["layers"]] == details["converted_layers"] and layers
     assert abs(details["pruning_rate_uniform"] - 0.2) <= 0.01
@@ -118,7 +118,7 @@ def test_model_dependent_errors(make_ctx):
 @pytest.mark.parametrize("variant", ["backbone", "random", "random_petals", "naive"])
 def test_variants_build_and_match_the_budget(variant, make_ctx):
     ctx = make_ctx(tiny_model("qwen2", **STORIES_VOCAB))
-    details = convert(ctx, build_config(MoreConfig, {**CALIB, "variant": variant}))
+    details = convert(ctx, build_config(MoreConfig, {**CALIB, "variant": variant})).details
     assert abs(details["pruning_rate_uniform"] - 0.2) <= 0.01
     nominal = 1 - activated_parameters(ctx.model, measured=False).apr
     assert abs(nominal - 0.2) <= 0.015

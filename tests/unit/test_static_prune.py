@@ -20,7 +20,8 @@ IDS = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
 
 
 def _prune(make_ctx, model, ratio, **options):
-    return convert(make_ctx(model), StaticPruneConfig(active_ratio=ratio, calib_samples=4, seq_len=64, **options))
+    config = StaticPruneConfig(active_ratio=ratio, calib_samples=4, seq_len=64, **options)
+    return convert(make_ctx(model), config).details
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -94,7 +95,7 @@ def test_lora_finetune_gives_the_baseline_the_same_recovery_budget(make_ctx):
 
     model = clone(tiny_model("llama", **STORIES_VOCAB))
     details = prune(make_ctx(model), StaticPruneConfig(active_ratio=0.5, calib_samples=2, seq_len=32,
-                                                        finetune_steps=2, finetune_batch_size=2))
+                                                        finetune_steps=2, finetune_batch_size=2)).details
     assert details["finetune"]["steps"] == 2 and details["finetune"]["trainable_params"] > 0
     assert not any("lora" in name for name, _ in model.named_parameters())  # merged into plain weights
 

@@ -38,7 +38,7 @@ def test_thresholded_linear_zeroes_small_inputs_and_counts_what_it_keeps():
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_projection_is_thresholded_and_the_apr_follows_the_sparsity(family, make_ctx):
     model = clone(tiny_model(family, **STORIES_VOCAB))
-    details = convert(make_ctx(model), TealConfig(sparsity=0.4, calib_samples=4, seq_len=64))
+    details = convert(make_ctx(model), TealConfig(sparsity=0.4, calib_samples=4, seq_len=64)).details
     adapter = DecoderAdapter(model)
     layers = [adapter.layer(i) for i in range(adapter.num_layers)]
     assert not any(type(m) is torch.nn.Linear for layer in layers for m in layer.modules())

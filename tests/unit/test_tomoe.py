@@ -29,7 +29,7 @@ def converted(family, make_ctx, work_dir=None, **options):
     dense = tiny_model(family, **STORIES_VOCAB)
     ctx = make_ctx(clone(dense))
     ctx.work_dir = work_dir
-    details = convert(ctx, TomoeConfig(**{**FAST, **options}))
+    details = convert(ctx, TomoeConfig(**{**FAST, **options})).details
     return dense, ctx, details
 
 

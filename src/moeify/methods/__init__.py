@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeify.methods.base import Calibrated, ConversionContext, Method
+from moeify.methods.base import Analysis, Conversion, ConversionContext, Method
 from moeify.methods.cmoe import CMOE
 from moeify.methods.dense2moe import DENSE2MOE
 from moeify.methods.dsmoe import DSMOE
@@ -36,4 +36,5 @@ def method_configs(name: str, options: dict[str, Any] | None) -> tuple[Method, A
     return method, build_config(method.config_cls, method_options), build_config(RecoveryOptions, recovery_options)
 
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "Calibrated", "ConversionContext", "Method", "get_method", "method_configs"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "Analysis", "Conversion", "ConversionContext", "Method", "get_method",
+           "method_configs"]

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -36,22 +36,12 @@ class Deferred:
         return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
 
 
-@runtime_checkable
-class Calibrated(Protocol):
-    """A method config that draws calibration windows from the calibration text: it declares how many and how
-    long, so that a text too short for them is refused before any model work."""
-
-    def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
-        """(windows, tokens per window) the conversion draws for this model."""
-        ...
-
-
-@dataclass
+@dataclass(frozen=True)
 class ConversionContext:
-    """The dense model being converted in place, and the shared inputs of every method.
+    """The dense model to convert, and the shared inputs of every method: what a method reads, never writes
+    (what it makes, it returns as a ``Conversion`` or an ``Analysis``).
 
-    ``work_dir``: where a method may keep state across runs (training checkpoints), or None.
-    ``artifacts``: files (name -> bytes, e.g. PNG plots) a method wants written next to the model."""
+    ``work_dir``: where a method may keep state across runs (training checkpoints), or None."""
 
     model: PreTrainedModel
     tokenizer: Any
@@ -60,7 +50,6 @@ class ConversionContext:
     device: torch.device
     progress: bool = True
     work_dir: Path | None = None
-    artifacts: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def adapter(self) -> DecoderAdapter:
@@ -83,6 +72,25 @@ class ConversionContext:
         return Checkpointing(self.work_dir / f"{method}_checkpoints", fingerprint, resume=cfg.resume)
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """What a method's ``convert`` made: the MoE model (the context's model, its layers replaced in place, so
+    that a model that fills memory is never held twice), the method-specific part of the record (statistics,
+    training logs) and files to write next to the model (name -> bytes, e.g. PNG plots)."""
+
+    model: PreTrainedModel
+    details: dict[str, Any]
+    artifacts: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What a method's ``analyze`` found on the converted model: the record's ``details.analysis`` and files."""
+
+    details: dict[str, Any]
+    artifacts: dict[str, bytes] = field(default_factory=dict)
+
+
 BudgetMatcher = Callable[[float, "DecoderAdapter"], tuple[list[dict[str, Any]], str]]
 RuntimeOption = Callable[["PreTrainedModel", Any], Callable[[], None]]
 ModelAnalysis = Callable[["PreTrainedModel", "Tensor", "torch.device", bool],
@@ -93,10 +101,10 @@ ModelAnalysis = Callable[["PreTrainedModel", "Tensor", "torch.device", bool],
 class Method:
     """A registered conversion method: its paper, its typed config and its conversion function.
 
-    ``convert(ctx, config)`` turns ``ctx.model`` into an MoE model in place and returns the
-    method-specific part of the record (statistics). ``analyze(ctx, config, eval_sources, seq_len)``,
-    if any, runs on the converted model and the held-out evaluation texts after the common evaluation
-    and returns the record's ``details.analysis`` (it may add ``ctx.artifacts``); it never trains.
+    ``convert(ctx, config)`` turns ``ctx.model`` into an MoE model and returns it as a ``Conversion``.
+    ``analyze(ctx, config, eval_sources, seq_len)``, if any, runs on the converted model (``ctx.model``)
+    and the held-out evaluation texts after the common evaluation and returns an ``Analysis``; it never
+    trains.
 
     ``match_budget(apr, adapter)``: option sets to try in order so that the conversion lands at the
     activated-parameter ratio ``apr``, and a line saying how (``moeify compare``); None when the method
@@ -118,8 +126,8 @@ class Method:
     paper: str
     summary: str
     config_cls: type
-    convert: Callable[[ConversionContext, Any], dict[str, Any]]
-    analyze: Callable[[ConversionContext, Any, list[TextSource], int], dict[str, Any]] | None = None
+    convert: Callable[[ConversionContext, Any], Conversion]
+    analyze: Callable[[ConversionContext, Any, list[TextSource], int], Analysis] | None = None
     match_budget: BudgetMatcher | None = None
     unmatched: str = "it has no budget option"
     runtime_options: Mapping[str, RuntimeOption] = field(default_factory=dict)
@@ -130,9 +138,9 @@ class Method:
     inference_copy: bool = True
     layer_by_layer: bool = False
 
-    def run(self, ctx: ConversionContext, config: Any) -> dict[str, Any]:
-        """Convert ``ctx.model`` in place and give its MoE layers the model-wide packed widths, as a load
-        of the saved folder does (``runtime.moe.set_packed_widths``); returns ``convert``'s details.
+    def run(self, ctx: ConversionContext, config: Any) -> Conversion:
+        """Convert ``ctx.model`` and give its MoE layers the model-wide packed widths, as a load of the
+        saved folder does (``runtime.moe.set_packed_widths``).
 
         The converted model is in the working dtype (the dense model's): methods build routers and learn
         masks in float32, and what they made is cast back, so a bfloat16 model converts to a bfloat16 one.
@@ -143,10 +151,10 @@ class Method:
 
         dtype = next(ctx.model.parameters()).dtype
         kept = {name for name, _ in ctx.model.named_buffers()}
-        details = self.convert(ctx, config)
-        cast_new_state(ctx.model, dtype, kept)
-        set_packed_widths(ctx.model)
-        return details
+        conversion = self.convert(ctx, config)
+        cast_new_state(conversion.model, dtype, kept)
+        set_packed_widths(conversion.model)
+        return conversion
 
     def check(self, config: Any, model_config: PreTrainedConfig) -> None:
         """Model-dependent validation (e.g. ``top_k`` against the expert count), before heavy work."""

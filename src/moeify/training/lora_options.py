@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from moeify.options import OptionError, option, require_multiple
+from moeify.options import MethodOptions, OptionError, Training, option, require_multiple
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from moeify.training.loop import TrainPlan
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraOptions:
+class LoraOptions(MethodOptions):
     """The fine-tuning options a method config inherits (its ``validate`` calls ``check_lora``)."""
 
     finetune_steps: int = option(0, "light fine-tuning steps on random windows (0 and finetune_samples=0: "
@@ -40,6 +42,13 @@ class LoraOptions:
     @property
     def finetunes(self) -> bool:
         return bool(self.finetune_steps or self.finetune_samples)
+
+    def training(self, model_config: PreTrainedConfig) -> Training | None:
+        """The fine-tune, in windows of ``finetune_seq_len`` (default: the calibration window)."""
+        if not self.finetunes:
+            return None
+        seq_len = self.finetune_seq_len or self.calibration_windows(model_config)[1]
+        return Training(True, self.finetune_batch_size, self.grad_accum, seq_len, self.recompute)
 
     def plan(self, calib_seq_len: int) -> TrainPlan:
         from moeify.training.loop import TrainPlan, epoch

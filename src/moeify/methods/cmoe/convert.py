@@ -13,7 +13,7 @@ from moeify.arch.mlp import MlpWeights
 from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.cmoe.analysis import routing_errors, routing_summary
 from moeify.methods.cmoe.config import CmoeConfig
 from moeify.moe.build import load_neurons_, moe_from_partition
@@ -89,7 +89,7 @@ def build_layer(mlp: MlpWeights, carving: Carving, cfg: CmoeConfig) -> MoeMLP:
     return moe_from_partition(mlp, carving.partition, router)
 
 
-def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: CmoeConfig) -> Conversion:
     adapter, model_config = ctx.adapter, ctx.model.config
     seq_len = cfg.effective_seq_len(model_config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
@@ -119,8 +119,9 @@ def convert(ctx: ConversionContext, cfg: CmoeConfig) -> dict[str, Any]:
                                                "tokens": int(batches.numel())}, "layers": layers}
     if errors:
         details["analysis"] = routing_summary(errors)
+    model = ctx.model
     if cfg.finetunes:
         from moeify.methods.cmoe.finetune import finetune
 
-        details["finetune"] = finetune(ctx, cfg, seq_len)
-    return details
+        model, details["finetune"] = finetune(ctx, cfg, seq_len)
+    return Conversion(model, details)

@@ -6,7 +6,7 @@ LoRA weights are merged afterwards, so the saved model has the plain MoE structu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,8 +17,13 @@ from moeify.moe.accounting import moe_layers, tracking_routing
 from moeify.training.distributed import all_reduce_sum_
 from moeify.training.lora import lora_finetune
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str, Any]:
+
+def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """LoRA on the experts and the score scales u, with Eq. 33's load balancing after every step: the model
+    with LoRA merged, and the log."""
     layers = moe_layers(ctx.model)
     scales = [layer.router.u for layer in layers]
 
@@ -32,9 +37,8 @@ def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> dict[str,
     # The token counts per expert that ``balance`` reads (a recomputed layer counts its tokens twice: the
     # sign of load - mean, all Eq. 33 uses, does not change).
     with tracking_routing(ctx.model):
-        ctx.model, log = lora_finetune(ctx.model, cfg, token_stream(ctx.calib, ctx.tokenizer), plan,
-                                       seed=ctx.seed + 1, device=ctx.device, progress=ctx.progress,
-                                       desc="cmoe: fine-tuning", extra=scales, extra_lr=cfg.u_lr,
-                                       after_step=balance)
-    return {**log.summary(), "seq_len": plan.seq_len, "batch_size": plan.batch_size,
-            "u_abs_mean": float(torch.cat([u.detach().abs() for u in scales]).mean())}
+        model, log = lora_finetune(ctx.model, cfg, token_stream(ctx.calib, ctx.tokenizer), plan,
+                                   seed=ctx.seed + 1, device=ctx.device, progress=ctx.progress,
+                                   desc="cmoe: fine-tuning", extra=scales, extra_lr=cfg.u_lr, after_step=balance)
+    return model, {**log.summary(), "seq_len": plan.seq_len, "batch_size": plan.batch_size,
+                   "u_abs_mean": float(torch.cat([u.detach().abs() for u in scales]).mean())}

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+from moeify.options import (
+    MethodOptions,
+    OptionError,
+    Training,
+    method_config,
+    option,
+    require_at_most,
+    require_multiple,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -15,7 +23,7 @@ PAPER_LAYERS, PAPER_PRUNED = 24, 5  # §4.2: Qwen2.5-0.5B (24 layers), the top-5
 
 
 @method_config
-class Dense2moeConfig:
+class Dense2moeConfig(MethodOptions):
     variant: Literal["lfuc", "prune_upcycle", "prune_only"] = option(
         "lfuc", "lfuc: Layer-Fusion Upcycling; prune_upcycle / prune_only: Table 5's baselines")
     prune_layers: int | None = option(None, "k of §4.1: decoder layers to remove in all (default: the paper's share, "
@@ -78,6 +86,12 @@ class Dense2moeConfig:
 
     def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
         return self.calib_samples, self.effective_seq_len(model_config)
+
+    def training(self, model_config: PreTrainedConfig) -> Training | None:
+        """The fine-tune of every weight after the fusion (none at ``steps=0``)."""
+        if not self.steps:
+            return None
+        return Training(False, self.batch_size, self.grad_accum, self.effective_seq_len(model_config), self.recompute)
 
 
 def span_sizes(prune_layers: int, spans: int) -> list[int]:

@@ -7,18 +7,17 @@ from typing import Any
 
 from moeify.calibration.data import calibration_batches
 from moeify.calibration.similarity import layer_similarity, similarity_heatmaps
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.dense2moe.build import expert_sources, fuse_layers_, rank_spans, select_spans
 from moeify.methods.dense2moe.config import Dense2moeConfig, span_sizes
 from moeify.options import require_work_dir_for_resume
 
 
-def convert(ctx: ConversionContext, cfg: Dense2moeConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: Dense2moeConfig) -> Conversion:
     require_work_dir_for_resume(cfg.resume, ctx.work_dir)
     seq_len = cfg.effective_seq_len(ctx.model.config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     similarity = layer_similarity(ctx.model, batches, device=ctx.device, progress=ctx.progress)
-    ctx.artifacts.update(similarity_heatmaps(similarity))
     sizes = span_sizes(cfg.layers_to_prune(ctx.model.config), cfg.spans)
     spans = select_spans(similarity.layer_output, similarity.mlp_input, cfg.delta, sizes)
     sources = [expert_sources(span, cfg.variant, cfg.num_copies, cfg.copies_per_pruned) for span in spans]
@@ -33,4 +32,4 @@ def convert(ctx: ConversionContext, cfg: Dense2moeConfig) -> dict[str, Any]:
         from moeify.methods.dense2moe.train import finetune
 
         details["finetune"] = finetune(ctx, cfg, seq_len)
-    return details
+    return Conversion(ctx.model, details, similarity_heatmaps(similarity))

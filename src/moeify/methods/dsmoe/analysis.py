@@ -17,7 +17,7 @@ from torch import nn
 
 from moeify.calibration.data import TextSource
 from moeify.evaluation.perplexity import perplexity
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Analysis, ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.moe.accounting import activated_parameters, moe_layers, tracking_routing
 
@@ -62,15 +62,16 @@ def activation_heatmap(per_file: dict[str, list[float]], num_experts: int, tau: 
                    title=f"DSMoE: mean activated experts per token (of {num_experts}), tau = {tau:g}")
 
 
-def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> dict[str, Any]:
+def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> Analysis:
     sweep = tau_sweep(ctx.model, ctx.tokenizer, sources, seq_len, tuple(sorted({*TAUS, cfg.tau})))
     per_file = {row["data"]: row["experts_per_layer"] for row in sweep if row["tau"] == cfg.tau}
     out: dict[str, Any] = {"tau_sweep": sweep,
                            "activated_experts": {"tau": cfg.tau, "num_experts": cfg.num_experts, "per_file": per_file}}
     try:
-        ctx.artifacts[HEATMAP] = activation_heatmap(per_file, cfg.num_experts, cfg.tau)
+        artifacts = {HEATMAP: activation_heatmap(per_file, cfg.num_experts, cfg.tau)}
         out["heatmap"] = HEATMAP
     except ImportError:
+        artifacts = {}
         out["heatmap"] = None
         out["heatmap_skipped"] = "matplotlib is not installed (pip install 'moeify[plots]')"
-    return out
+    return Analysis(out, artifacts)

@@ -5,14 +5,22 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal
 
-from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
+from moeify.options import (
+    MethodOptions,
+    OptionError,
+    Training,
+    method_config,
+    option,
+    require_at_most,
+    require_multiple,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 
 @method_config
-class DsmoeConfig:
+class DsmoeConfig(MethodOptions):
     num_experts: int = option(8, "n: experts per MLP, contiguous neuron blocks (Eq. 6)", low=2)
     tau: float = option(0.5, "gate threshold (Eq. 7); also a runtime option of the converted model", low=0.0,
                         high=1.0)
@@ -55,6 +63,12 @@ class DsmoeConfig:
 
     def effective_seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.seq_len or min(256, model_config.max_position_embeddings)
+
+    def training(self, model_config: PreTrainedConfig) -> Training | None:
+        """The continued training of every weight and gate (none at ``steps=0``)."""
+        if not self.steps:
+            return None
+        return Training(False, self.batch_size, self.grad_accum, self.effective_seq_len(model_config), self.recompute)
 
 
 #: Tokens the margin fit sees per hidden dimension. With fewer the least-squares fit follows its own

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from moeify.calibration.data import TextSource
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Analysis, Conversion, ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig, gate_scale
 from moeify.moe.build import moe_from_partition
 from moeify.moe.partition import ExpertPartition, even_sizes
@@ -36,7 +36,7 @@ def partition_model_(ctx: ConversionContext, cfg: DsmoeConfig) -> list[list[int]
 
 
 
-def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> Conversion:
     require_work_dir_for_resume(cfg.resume, ctx.work_dir)
     seq_len = cfg.effective_seq_len(ctx.model.config)
     details: dict[str, Any] = {"expert_sizes": partition_model_(ctx, cfg), "train_seq_len": seq_len}
@@ -44,10 +44,10 @@ def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> dict[str, Any]:
         from moeify.methods.dsmoe.train import continue_training
 
         details["training"] = continue_training(ctx, cfg, seq_len)
-    return details
+    return Conversion(ctx.model, details)
 
 
-def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> dict[str, Any]:
+def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> Analysis:
     from moeify.methods.dsmoe.analysis import analyze as run
 
-    return run(ctx, cfg, sources, seq_len) if cfg.analyses else {}
+    return run(ctx, cfg, sources, seq_len) if cfg.analyses else Analysis({})

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from moeify.methods.more.layer_budget import (
     candidate_layers,
 )
-from moeify.options import OptionError, method_config, option, require_at_most
+from moeify.options import MethodOptions, OptionError, method_config, option, require_at_most
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @method_config
-class MoreConfig:
+class MoreConfig(MethodOptions):
     num_experts: int = option(4, "r: petals (routed experts) per layer", low=2)
     act_ratio: float = option(0.05, "rho_act: share of channels in each token's activation set (not a paper value: "
                                     "its App. D.2 uses k_act = 7-14 of 14,336 channels; chosen by "

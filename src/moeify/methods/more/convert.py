@@ -15,7 +15,7 @@ from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import CoActivation
 from moeify.calibration.stream import stream_layers
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.more.config import MoreConfig
 from moeify.methods.more.layer_budget import (
     Budget,
@@ -116,7 +116,7 @@ def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreCon
     return layer, info
 
 
-def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: MoreConfig) -> Conversion:
     adapter, config = ctx.adapter, ctx.model.config
     shapes = {i: LayerShape(adapter.mlp(i).intermediate_size, adapter.mlp(i).params_per_neuron())
               for i in range(adapter.num_layers)}
@@ -137,5 +137,6 @@ def convert(ctx: ConversionContext, cfg: MoreConfig) -> dict[str, Any]:
         layer, info = convert_layer(step.run, capture, mlp, budget.backbone[step.index], cfg, ctx.seed + step.index)
         adapter.replace_mlp_(step.index, layer.to(mlp.up.device))
         layers.append({"layer": step.index, **info})
-    return {"layers": layers, "converted_layers": budget.layers, "pruning_rate_uniform": budget.pruning_rate,
-            "calibration": {"samples": cfg.calib_samples, "seq_len": cfg.seq_len, "tokens": int(batches.numel())}}
+    return Conversion(ctx.model, {
+        "layers": layers, "converted_layers": budget.layers, "pruning_rate_uniform": budget.pruning_rate,
+        "calibration": {"samples": cfg.calib_samples, "seq_len": cfg.seq_len, "tokens": int(batches.numel())}})

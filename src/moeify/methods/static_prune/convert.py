@@ -13,7 +13,7 @@ from moeify.calibration.data import calibration_batches, token_stream
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.observers import MeanSquares
 from moeify.calibration.stream import stream_layers
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.static_prune.config import StaticPruneConfig
 from moeify.moe.accounting import attention_share, mlp_share_for_apr
 from moeify.moe.attention_importance import observe_head_dims, static_head_dims
@@ -49,7 +49,7 @@ def _channels_for(weights: MlpWeights, mlp_budget: float) -> int:
     return min(weights.intermediate_size, max(1, count))
 
 
-def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> Conversion:
     adapter = ctx.adapter
     blocker = _attention_blocker(adapter, cfg)
     keep_share = _mlp_only_share(adapter, cfg.active_ratio) if blocker else cfg.active_ratio
@@ -85,9 +85,10 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> dict[str, Any]:
     if blocker is None:
         details.update(kept_qk_dims=qk_kept, kept_vo_dims=vo_kept)
     details["calibration"] = {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}
+    model = ctx.model
     if cfg.finetunes:
-        ctx.model, log = lora_finetune(ctx.model, cfg, token_stream(ctx.calib, ctx.tokenizer), cfg.plan(seq_len),
-                                       seed=ctx.seed + 1, device=ctx.device, progress=ctx.progress,
-                                       desc="static_prune: LoRA fine-tuning")
+        model, log = lora_finetune(model, cfg, token_stream(ctx.calib, ctx.tokenizer), cfg.plan(seq_len),
+                                   seed=ctx.seed + 1, device=ctx.device, progress=ctx.progress,
+                                   desc="static_prune: LoRA fine-tuning")
         details["finetune"] = log.summary()
-    return details
+    return Conversion(model, details)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moeify.options import method_config, option, require_at_most
+from moeify.options import MethodOptions, method_config, option, require_at_most
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 @method_config
-class TealConfig:
+class TealConfig(MethodOptions):
     sparsity: float = option(0.5, "fraction of every projection's inputs zeroed (TEAL's uniform model-wide level; "
                                   "its paper reports 40-50%)", low=0.0, high=0.99)
     calib_samples: int = option(8, "calibration sequences", low=1)

@@ -4,7 +4,6 @@ inputs at the target sparsity (see the package docstring)."""
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -13,11 +12,10 @@ from tqdm.auto import tqdm
 from moeify.calibration.data import calibration_batches
 from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.teal.config import TealConfig
 from moeify.methods.teal.memory import QUANTILE_LIMIT
 from moeify.runtime.sparse_inputs import ThresholdedLinear
-
 
 
 def magnitude_threshold(inputs: list[Tensor], sparsity: float) -> float:
@@ -40,7 +38,7 @@ def _replace(layer: nn.Module, name: str, module: nn.Module) -> None:
     setattr(layer.get_submodule(parent) if parent else layer, child, module)
 
 
-def convert(ctx: ConversionContext, cfg: TealConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: TealConfig) -> Conversion:
     adapter = ctx.adapter
     _, seq_len = cfg.calibration_windows(ctx.model.config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
@@ -65,5 +63,6 @@ def convert(ctx: ConversionContext, cfg: TealConfig) -> dict[str, Any]:
             _replace(step.layer, name, thresholded(linear, cfg.sparsity, t))
             layer_thresholds[name] = round(t, 6)
         thresholds.append(layer_thresholds)
-    return {"thresholds": thresholds,
-            "calibration": {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}}
+    return Conversion(ctx.model, {
+        "thresholds": thresholds,
+        "calibration": {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from moeify.options import method_config, option, require_at_most, require_multiple
+from moeify.options import MethodOptions, Training, method_config, option, require_at_most, require_multiple
 
 # Theta's sizes (Table 8), which the memory estimate reads too
 EMBED_DIM = 128   # d_e
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 @method_config
-class TomoeConfig:
+class TomoeConfig(MethodOptions):
     num_experts: int = option(8, "N: experts per MLP (top-1 routed)", low=2)
     active_ratio: float = option(0.5, "p: activated share of the attention + MLP projections (Eq. 8)",
                                  low=0.0, high=1.0, low_open=True)
@@ -64,6 +64,10 @@ class TomoeConfig:
 
     def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
         return self.calib_samples, self.effective_seq_len(model_config)
+
+    def training(self, model_config: PreTrainedConfig) -> Training:
+        """The router and mask learning: the masks' modules train, the model's weights stay frozen."""
+        return Training(False, self.batch_size, self.grad_accum, self.effective_seq_len(model_config), self.recompute)
 
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:

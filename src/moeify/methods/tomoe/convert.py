@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from moeify.calibration.data import calibration_batches
-from moeify.methods.base import ConversionContext
+from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.tomoe.config import EMBED_DIM, TomoeConfig
 from moeify.methods.tomoe.modules import KEEP_BIAS
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
@@ -67,7 +67,7 @@ def resolve_attention(ctx: ConversionContext, cfg: TomoeConfig) -> tuple[TomoeCo
     return cfg, blocker
 
 
-def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
+def convert(ctx: ConversionContext, cfg: TomoeConfig) -> Conversion:
     require_work_dir_for_resume(cfg.resume, ctx.work_dir)
     cfg, blocker = resolve_attention(ctx, cfg)
     seq_len = cfg.effective_seq_len(ctx.model.config)
@@ -77,9 +77,10 @@ def convert(ctx: ConversionContext, cfg: TomoeConfig) -> dict[str, Any]:
         structure = convert_(ctx, theta, masked, cfg, seq_len)
     curves = {name: log["curves"][key] for name, key in (("KD loss", "kd"), ("R_P", "r_p"), ("R_U", "r_u"),
                                                           ("R_L", "r_l"), ("T / T_total", "ratio"))}
-    ctx.artifacts[CURVES_PNG] = training_curves(curves, title=f"ToMoE training (p = {cfg.active_ratio})")
-    return {**structure, "attention": cfg.attention, "attention_blocked": blocker, "train_seq_len": seq_len,
-            "training": log, "curves_png": CURVES_PNG}
+    details = {**structure, "attention": cfg.attention, "attention_blocked": blocker, "train_seq_len": seq_len,
+               "training": log, "curves_png": CURVES_PNG}
+    png = training_curves(curves, title=f"ToMoE training (p = {cfg.active_ratio})")
+    return Conversion(ctx.model, details, {CURVES_PNG: png})
 
 
 def widened_experts(logits: Tensor, threshold: float = 0.0) -> list[Tensor]:
