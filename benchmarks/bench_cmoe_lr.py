@@ -25,6 +25,7 @@ from moeify.methods import ConversionContext
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.methods.cmoe.finetune import finetune
+from moeify.options import build_config
 
 
 def main() -> None:
@@ -34,11 +35,12 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = load_model(str(MODEL))
     ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=False)
-    convert(ctx, CmoeConfig(spec="S2A2E16", analysis=False))
+    convert(ctx, build_config(CmoeConfig, {"spec": "S2A2E16", "analysis": False}))
     carved = copy.deepcopy(ctx.model.state_dict())
     for lr in map(float, args.lrs.split(",")):
         ctx.model.load_state_dict(carved)
-        config = CmoeConfig(spec="S2A2E16", finetune_samples=4 * args.steps, finetune_seq_len=512, lr=lr)
+        config = build_config(CmoeConfig, {"spec": "S2A2E16", "finetune_samples": 4 * args.steps,
+                                           "finetune_seq_len": 512, "lr": lr})
         start = time.perf_counter()
         losses = finetune(ctx, config, 2048)["losses"]
         print(json.dumps({"lr": lr, "steps": args.steps, "first_loss": losses[0],

@@ -19,6 +19,7 @@ import torch
 from moeify.arch.mlp import MlpWeights
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import atopk_markers, build_layer, carve
+from moeify.options import build_config
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
                      down=torch.randn(d, d_h, generator=g) * 0.02, act="silu")
     x = torch.randn(args.tokens, d, generator=g)
     for spec in args.specs.split(","):
-        cfg = CmoeConfig(spec=spec)
+        cfg = build_config(CmoeConfig, {"spec": spec})
         t0 = time.perf_counter()
         markers = atopk_markers(mlp, x, cfg.ka)
         t1 = time.perf_counter()

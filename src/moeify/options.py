@@ -10,7 +10,8 @@ import dataclasses
 import inspect
 import math
 import typing
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_origin
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -31,9 +32,25 @@ class Training:
     recompute: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Shorthand:
+    """An option that stands for several (CMoE's ``spec=S1A1E8`` for num_shared, top_k and num_experts):
+    ``build_config`` expands it before the config is built, so that a config holds each setting once and
+    never rewrites its own fields. ``expand`` raises ``OptionError`` for a malformed value; ``after``: the
+    option it is listed after in ``moeify methods``."""
+
+    name: str
+    help: str
+    expand: Callable[[str], dict[str, Any]]
+    after: str
+
+
 class MethodOptions:
     """What every method config declares beside its options, so that the commands ask each config the same
-    questions: the calibration windows it draws and the training it runs for a given model."""
+    questions: the calibration windows it draws, the training it runs for a given model, and the shorthands
+    it accepts."""
+
+    shorthands: ClassVar[tuple[Shorthand, ...]] = ()
 
     def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
         """(windows, tokens per window) of calibration text the conversion draws for this model, checked
@@ -112,22 +129,14 @@ def parse_bool(name: str, raw: Any) -> bool:
 
 def method_config(cls: type) -> type:
     """Make ``cls`` a method's configuration: a frozen dataclass that checks itself when constructed, from
-    the CLI or the Python API alike. Its ``__post_init__`` checks every field's range, runs the class's own
-    ``validate()`` (cross-field rules, shorthands such as CMoE's ``spec``) if it has one, and checks the
-    ranges again when ``validate`` set fields (a shorthand's values are checked like given ones)."""
-
-    def check_ranges(config: Any) -> tuple[Any, ...]:
-        values = tuple(getattr(config, f.name) for f in dataclasses.fields(config))
-        for f, value in zip(dataclasses.fields(config), values):
-            _check_range(f.name, value, dict(f.metadata))
-        return values
+    the CLI or the Python API alike. Its ``__post_init__`` checks every field's range, then runs the class's
+    own ``validate()`` (cross-field rules) if it has one."""
 
     def __post_init__(self: Any) -> None:
-        before = check_ranges(self)
+        for f in dataclasses.fields(self):
+            _check_range(f.name, getattr(self, f.name), dict(f.metadata))
         if hasattr(self, "validate"):
             self.validate()
-            if tuple(getattr(self, f.name) for f in dataclasses.fields(self)) != before:
-                check_ranges(self)
 
     cls.__post_init__ = __post_init__
     return dataclasses.dataclass(frozen=True)(cls)
@@ -156,15 +165,25 @@ def _fields(config_cls: type) -> list[dataclasses.Field]:
 
 
 def build_config(config_cls: type, overrides: dict[str, Any]) -> Any:
-    """The config with ``overrides`` (``--set`` strings or typed values) converted to the fields' types;
-    unknown keys and bad values raise ``OptionError`` (ranges: the config checks them itself)."""
+    """The config with ``overrides`` (``--set`` strings or typed values) converted to the fields' types, its
+    shorthands expanded (their values win over the options they stand for); unknown keys and bad values
+    raise ``OptionError`` (ranges: the config checks them itself)."""
     fields = {f.name: f for f in _fields(config_cls)}
-    unknown = sorted(set(overrides) - set(fields))
+    shorthands = {s.name: s for s in _shorthands(config_cls)}
+    unknown = sorted(set(overrides) - set(fields) - set(shorthands))
     if unknown:
         raise OptionError(f"unknown option(s) {', '.join(unknown)} for {config_cls.__name__}; "
-                          f"options: {', '.join(fields)}")
+                          f"options: {', '.join([*fields, *shorthands])}")
+    expanded = {key: raw for key, raw in overrides.items() if key not in shorthands}
+    for name, raw in overrides.items():
+        if name in shorthands and raw is not None and str(raw).lower() not in ("", "none", "null"):
+            expanded.update(shorthands[name].expand(str(raw)))
     hints = typing.get_type_hints(config_cls)
-    return config_cls(**{key: _convert(key, raw, hints[key]) for key, raw in overrides.items()})
+    return config_cls(**{key: _convert(key, raw, hints[key]) for key, raw in expanded.items()})
+
+
+def _shorthands(config_cls: type) -> tuple[Shorthand, ...]:
+    return config_cls.shorthands if issubclass(config_cls, MethodOptions) else ()
 
 
 def describe(config_cls: type) -> list[tuple[str, str, Any, str]]:
@@ -176,6 +195,7 @@ def describe(config_cls: type) -> list[tuple[str, str, Any, str]]:
         kind = hints[f.name]
         text = "|".join(map(str, get_args(kind))) if get_origin(kind) is Literal else getattr(kind, "__name__", str(kind))
         rows.append((f.name, text.replace("typing.", ""), f.default, f.metadata.get("help", "")))
+        rows += [(s.name, "str | None", None, s.help) for s in _shorthands(config_cls) if s.after == f.name]
     return rows
 
 

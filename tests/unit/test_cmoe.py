@@ -41,7 +41,7 @@ def test_partition_covers_every_neuron_with_sizes_differing_by_one():
     g = torch.Generator().manual_seed(0)
     markers = torch.rand(300, 172, generator=g) < 0.1
     for partition in ("balanced_kmeans", "random"):
-        cfg = CmoeConfig(spec="S1A1E8", partition=partition)
+        cfg = build_config(CmoeConfig, {"spec": "S1A1E8", "partition": partition})
         carving = carve(markers, cfg, torch.Generator().manual_seed(0))
         p = carving.partition
         assert p.covers(172)
@@ -49,7 +49,7 @@ def test_partition_covers_every_neuron_with_sizes_differing_by_one():
         assert sorted(e.numel() for e in p.experts) == [21, 21, 21, 21, 22, 22, 22]
         for rep, expert in zip(carving.representatives, p.experts):
             assert rep in expert
-    kmeans = carve(markers, CmoeConfig(spec="S1A1E8"), g)
+    kmeans = carve(markers, build_config(CmoeConfig, {"spec": "S1A1E8"}), g)
     rates = markers.float().mean(0)
     assert set(kmeans.partition.shared.tolist()) == set(rates.topk(22).indices.tolist())  # Eq. 8
 

@@ -11,6 +11,7 @@ from moeify.evaluation.perplexity import Perplexity, perplexity, relative_change
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import activated_parameters, tracking_routing
+from moeify.options import build_config
 from tests.helpers.conversion import clone
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
@@ -104,7 +105,7 @@ def test_relative_change_is_paired_over_windows(stories, eval_text):
 def test_activated_parameters_by_hand(make_ctx):
     model = tiny_model("llama", **STORIES_VOCAB)
     ctx = make_ctx(model)
-    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
+    convert(ctx, build_config(CmoeConfig, {"spec": "S1A2E8", "calib_samples": 4, "seq_len": 64}))
     d, d_h, layers = 64, 88, 2
     attn = layers * (d * d + d * 32 + d * 32 + d * d)  # q, k, v (2 kv heads x 16), o; no biases
     mlp = layers * 3 * d * d_h

@@ -15,6 +15,7 @@ from moeify.files import OutputExistsError, OutputLockedError, atomic_dir, atomi
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import moe_layers
+from moeify.options import build_config
 from tests.helpers.remote import logits_without_moeify
 from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
 
@@ -30,7 +31,7 @@ def model_dense_logits(family: str) -> torch.Tensor:
 def test_save_then_load_gives_identical_logits(family, make_ctx, tokenizer, tmp_path):
     model = tiny_model(family, **STORIES_VOCAB)
     ctx = make_ctx(model)
-    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
+    convert(ctx, build_config(CmoeConfig, {"spec": "S1A2E8", "calib_samples": 4, "seq_len": 64}))
     with torch.no_grad():
         if family == "llama":  # non-trivial expert weights g = 1 + s'u must survive the round trip too
             torch.nn.init.normal_(moe_layers(ctx.model)[0].router.u)
@@ -144,7 +145,7 @@ def test_a_second_writer_of_the_same_output_is_refused_with_the_first_ones_pid(t
 def test_loading_a_converted_folder_needs_no_remote_code_for_its_tokenizer(make_ctx, tokenizer, tmp_path, capfd):
     model = tiny_model("llama", **STORIES_VOCAB)
     ctx = make_ctx(model)
-    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))
+    convert(ctx, build_config(CmoeConfig, {"spec": "S1A2E8", "calib_samples": 4, "seq_len": 64}))
     out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "out")
     capfd.readouterr()
     loaded, loaded_tokenizer = moeify.load_model(out)

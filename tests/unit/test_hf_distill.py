@@ -20,6 +20,7 @@ from moeify.export.hf_distill import (
 from moeify.export.hf_export import EXPORTERS
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
+from moeify.options import build_config
 from tests.helpers.conversion import clone, conversion_context
 
 
@@ -89,7 +90,8 @@ def test_top2_sets_are_fitted_and_their_renormalised_weights_are_one():
 @pytest.mark.slow  # a top-2 CMoE conversion, 100 distillation steps, two perplexities
 def test_a_top2_cmoe_exports_as_qwen2_moe_with_renormalised_weights(stories, tokenizer, calib_text, tmp_path):
     ctx = conversion_context(clone(stories[0]), tokenizer, calib_text)
-    convert(ctx, CmoeConfig(spec="S1A2E8", calib_samples=4, seq_len=64))  # top-2 of 7 routed experts, unit weights
+    # top-2 of 7 routed experts, unit weights
+    convert(ctx, build_config(CmoeConfig, {"spec": "S1A2E8", "calib_samples": 4, "seq_len": 64}))
     native = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "cmoe"}), tmp_path / "native")
     support = EXPORTERS["qwen2_moe"].supports(moeify.load(native), explain=True)
     assert not support and support.approximable and "--approximate" in str(support)

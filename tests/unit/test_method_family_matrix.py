@@ -11,7 +11,7 @@ import torch
 import moeify
 from moeify.api import ConversionResult
 from moeify.arch import FAMILIES, DecoderAdapter
-from moeify.methods import METHODS, Method
+from moeify.methods import METHODS, Conversion, Method
 from moeify.moe.accounting import moe_layers
 from moeify.options import build_config
 from tests.helpers.conversion import FAST, assert_cached_generation_equals_uncached, clone, conversion_context
@@ -36,7 +36,10 @@ def converted(method: Method, family: str, tokenizer, calib_text, options: dict)
     config = build_config(method.config_cls, {**FAST.get(method.name, {}), **options})
     method.check(config, model.config)
     torch.manual_seed(0)
-    method.run(conversion_context(model, tokenizer, calib_text), config)
+    conversion = method.run(conversion_context(model, tokenizer, calib_text), config)
+    # the contract: the model converted in place comes back with the method's details and files
+    assert isinstance(conversion, Conversion) and conversion.model is model
+    assert isinstance(conversion.details, dict) and all(isinstance(v, bytes) for v in conversion.artifacts.values())
     return dense, model.eval()
 
 

@@ -6,13 +6,14 @@ from moeify.methods import METHODS
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.moe.accounting import PAPER_RATIOS, activated_parameters, paper_ratio
+from moeify.options import build_config
 from tests.helpers.conversion import clone
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 
 
 def test_each_definition_counts_what_its_paper_counts(make_ctx):
     model = clone(tiny_model("llama", **STORIES_VOCAB))
-    convert(make_ctx(model), CmoeConfig(spec="S1A1E8", calib_samples=2, seq_len=32))
+    convert(make_ctx(model), build_config(CmoeConfig, {"spec": "S1A1E8", "calib_samples": 2, "seq_len": 32}))
     active = activated_parameters(model, measured=False)
     assert paper_ratio(model, active, "ffn")["value"] == active.mlp_ratio == pytest.approx(0.25, abs=0.01)
     assert paper_ratio(model, active, "apr")["value"] == active.apr

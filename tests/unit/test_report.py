@@ -10,6 +10,7 @@ import pytest
 
 from moeify.api.compare import matched_options
 from moeify.cli.main import main
+from moeify.evaluation.record import read_conversion_record, read_record
 from moeify.methods import get_method
 from moeify.methods.cmoe.config import spec_for_share
 from moeify.report.build import markdown_table, pareto_front
@@ -48,6 +49,20 @@ def two_runs(tmp_path_factory):
     for name, method, option in (("a", "cmoe", "spec=S1A1E8"), ("b", "static_prune", "active_ratio=0.6")):
         assert main(["convert", "--method", method, "--set", option, "--out", str(root / name)]) == 0
     return root
+
+
+@pytest.mark.slow  # two_runs
+def test_a_conversion_record_is_read_back_as_written(two_runs, tmp_path):
+    """record.json is ``ConversionRecord.as_dict()``: read back, it is the same record; a record without a
+    field that every conversion writes is refused with the field's name."""
+    raw = read_record(two_runs / "a")
+    record = read_conversion_record(two_runs / "a")
+    assert record.method == "cmoe" and record.recovery is None and record.as_dict() == raw
+    del raw["metrics"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "record.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="not a conversion record \\(no metrics\\)"):
+        read_conversion_record(tmp_path / "bad")
 
 
 @pytest.mark.slow  # two_runs

@@ -6,8 +6,7 @@ perplexity after each milestone. Returns values, prints nothing."""
 
 from __future__ import annotations
 
-import copy
-import resource
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -15,18 +14,18 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from moeify.api.result import ConversionResult
+from moeify.api.result import ConversionResult, memory_record, quality_metrics
 from moeify.calibration.corpus import FileCorpus, read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text, token_stream
-from moeify.evaluation.perplexity import perplexity, relative_change
-from moeify.evaluation.record import read_record
+from moeify.evaluation.perplexity import perplexity
+from moeify.evaluation.record import read_conversion_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.loading import load_config, load_model, working_dtype
 from moeify.memory_plan import check_fits, recovery_memory
 from moeify.methods import get_method
 from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
-from moeify.planning import GIB, MethodMemory, ModelShape, plan_memory
+from moeify.planning import MethodMemory, ModelShape, plan_memory
 from moeify.sources import EMBEDDED_MODEL
 from moeify.training.recovery import recover, teacher_cache
 from moeify.training.recovery_options import RecoveryOptions
@@ -98,19 +97,19 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     the run's own measurements kept under ``pre_recovery``. The options, the texts and the run are checked
     before a weight is read."""
     run = Path(run)
-    record = read_record(run)
+    record = read_conversion_record(run)
     config = build_config(RecoveryOptions, options)
     if not config.enabled:
         raise OptionError("recover needs a budget: --tokens N (recover_tokens) > 0")
-    calib_source = read_corpus(_rereadable(record["data"]["calib"], EMBEDDED_CALIB, calib, "calib"))
-    eval_source = read_text(_rereadable(record["data"]["eval"], EMBEDDED_EVAL, eval, "eval"))
-    teacher = teacher or record["model"]
-    seed = record["config"].get("seed", 0) if seed is None else seed
-    seq_len = eval_seq_len or record["metrics"]["eval"]["seq_len"]
+    calib_source = read_corpus(_rereadable(record.data["calib"], EMBEDDED_CALIB, calib, "calib"))
+    eval_source = read_text(_rereadable(record.data["eval"], EMBEDDED_EVAL, eval, "eval"))
+    teacher = teacher or record.model
+    seed = record.config.get("seed", 0) if seed is None else seed
+    seq_len = eval_seq_len or record.metrics["eval"]["seq_len"]
     base = load_config(teacher)
     config.check(base)
     memory = plan_memory(ModelShape.from_config(base, str(teacher)), MethodMemory(),
-                         working_dtype(dtype or record["config"].get("dtype"), None), seq_len,
+                         working_dtype(dtype or record.config.get("dtype"), None), seq_len,
                          on_cpu=torch.device(device).type == "cpu", mapped=False,
                          recovery=recovery_memory(ModelShape.from_config(base, str(teacher)), config))
     check_fits(memory, device)
@@ -125,22 +124,13 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
                                 work_dir=work_dir, milestones=milestones, progress=progress)
     with tracking_routing(model):
         after = perplexity(model, tokenizer, eval_source, seq_len)
-    change, stderr = relative_change(dense_quality, after)
-    new = copy.deepcopy(record)
-    new["pre_recovery"] = {"ppl": before.ppl, "eval": before.as_dict(), "active": active_before,
-                           "metrics": record["metrics"]}
-    new["recovery"] = block
-    new["metrics"] = {"dense_ppl": dense_quality.ppl, "ppl": after.ppl, "eval_tokens": after.tokens,
-                      "ppl_change": change, "ppl_change_stderr": stderr, "dense_eval": dense_quality.as_dict(),
-                      "eval": after.as_dict()}
     measured = activated_parameters(model, measured=True)
-    new["active"] = measured.as_dict()
-    new["paper_ratio"] = paper_ratio(model, measured, get_method(record["method"]).paper_ratio)
-    new["memory"] = {"plan_gib": round(memory.peak / GIB, 2), "plan_phase": memory.peak_phase,
-                     "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-                     "peak_device_gib": round(torch.cuda.max_memory_allocated() / GIB, 2)
-                     if torch.device(device).type == "cuda" else None}
-    new["data"]["eval"] = {"name": eval_source.name, "sha256": eval_source.sha256}
-    new["speed"] = None if not measure_speed else speed_record(
+    speed = None if not measure_speed else speed_record(
         forward_speed(dense.eval(), *SPEED_SHAPE), forward_speed(model.eval(), *SPEED_SHAPE), *SPEED_SHAPE)
-    return ConversionResult(model, tokenizer, new)
+    new = dataclasses.replace(
+        record, metrics=quality_metrics(dense_quality, after), active=measured.as_dict(),
+        paper_ratio=paper_ratio(model, measured, get_method(record.method).paper_ratio),
+        data={**record.data, "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
+        speed=speed, memory=memory_record(memory, device), recovery=block,
+        pre_recovery={"ppl": before.ppl, "eval": before.as_dict(), "active": active_before, "metrics": record.metrics})
+    return ConversionResult(model, tokenizer, new.as_dict())

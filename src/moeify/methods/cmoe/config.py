@@ -1,11 +1,14 @@
-"""CMoE's options: S/A/E (or the SxAyEz shorthand), ATopK's K_a, calibration and light fine-tuning."""
+"""CMoE's options: S/A/E (or the SxAyEz shorthand), ATopK's K_a, calibration and light fine-tuning. They are
+the options of a carving (``CarvingOptions``), which the random-split baseline shares with its partition
+fixed."""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from moeify.options import OptionError, method_config, option, require_at_most
+from moeify.options import OptionError, Shorthand, method_config, option, require_at_most
 from moeify.training.lora_options import LoraOptions
 
 if TYPE_CHECKING:
@@ -16,12 +19,26 @@ if TYPE_CHECKING:
 _SPEC = re.compile(r"^S(\d+)A(\d+)E(\d+)$")
 
 
-@method_config
-class CmoeConfig(LoraOptions):
+def expand_spec(spec: str) -> dict[str, int]:
+    """``S1A1E8`` -> num_shared 1, top_k 1, num_experts 8."""
+    match = _SPEC.match(spec)
+    if not match:
+        raise OptionError(f"spec={spec!r} must look like S1A1E8 (shared, activated, total experts)")
+    shared, active, total = map(int, match.groups())
+    return {"num_shared": shared, "top_k": active, "num_experts": total}
+
+
+SPEC = Shorthand("spec", "shorthand for S/A/E, e.g. S1A1E8 (= 25% of the MLP active)", expand_spec, after="top_k")
+
+
+@dataclass(frozen=True)
+class CarvingOptions(LoraOptions):
+    """The carving of every MLP into shared and routed experts with CMoE's representative-neuron router."""
+
+    shorthands: ClassVar[tuple[Shorthand, ...]] = (SPEC,)
     num_experts: int = option(8, "E: total experts per layer, shared included", low=2)
     num_shared: int = option(1, "S: shared (always-on) experts", low=0)
     top_k: int = option(1, "A: routed experts activated per token", low=1)
-    spec: str | None = option(None, "shorthand for S/A/E, e.g. S1A1E8 (= 25% of the MLP active)")
     ka: int = option(10, "K_a of ATopK (Eq. 5): neurons marked active per token", low=1)
     calib_samples: int = option(8, "calibration sequences", low=1)
     seq_len: int | None = option(None, "calibration sequence length (default: min(2048, model context))", low=2)
@@ -36,15 +53,6 @@ class CmoeConfig(LoraOptions):
     u_lr: float = option(1e-3, "learning rate of the score scale u", low=0.0, low_open=True)
 
     def validate(self) -> None:
-        if self.spec is not None:
-            match = _SPEC.match(self.spec)
-            if not match:
-                raise OptionError(f"spec={self.spec!r} must look like S1A1E8 (shared, activated, total experts)")
-            shared, active, total = map(int, match.groups())
-            object.__setattr__(self, "num_shared", shared)
-            object.__setattr__(self, "top_k", active)
-            object.__setattr__(self, "num_experts", total)
-            object.__setattr__(self, "spec", None)
         self.check_lora()
         if self.num_shared >= self.num_experts:
             raise OptionError(f"num_shared={self.num_shared} must be < num_experts={self.num_experts} "
@@ -68,6 +76,11 @@ class CmoeConfig(LoraOptions):
 
     def calibration_windows(self, model_config: PreTrainedConfig) -> tuple[int, int]:
         return self.calib_samples, self.effective_seq_len(model_config)
+
+
+@method_config
+class CmoeConfig(CarvingOptions):
+    """CMoE's options: the carving options at the paper's defaults."""
 
 
 def spec_for_share(mlp_share: float) -> str:

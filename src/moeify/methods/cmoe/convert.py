@@ -15,7 +15,7 @@ from moeify.calibration.hooks import capture_inputs
 from moeify.calibration.stream import stream_layers
 from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.cmoe.analysis import routing_errors, routing_summary
-from moeify.methods.cmoe.config import CmoeConfig
+from moeify.methods.cmoe.config import CarvingOptions
 from moeify.moe.build import load_neurons_, moe_from_partition
 from moeify.moe.partition import (
     ExpertPartition,
@@ -47,7 +47,7 @@ class Carving:
     rates: Tensor
 
 
-def carve(markers: Tensor, cfg: CmoeConfig, generator: torch.Generator) -> Carving:
+def carve(markers: Tensor, cfg: CarvingOptions, generator: torch.Generator) -> Carving:
     """Group neurons into shared and routed experts from their markers (q, d_h) (Eq. 7-14, 24)."""
     d_h = markers.shape[1]
     rates = markers.float().mean(dim=0)  # mu; Eq. 7
@@ -81,7 +81,7 @@ def carve(markers: Tensor, cfg: CmoeConfig, generator: torch.Generator) -> Carvi
     return Carving(partition, torch.stack(reps), iterations, rates)
 
 
-def build_layer(mlp: MlpWeights, carving: Carving, cfg: CmoeConfig) -> MoeMLP:
+def build_layer(mlp: MlpWeights, carving: Carving, cfg: CarvingOptions) -> MoeMLP:
     """The MoE layer of Eq. 17 with the router of Eq. 25 (and the scores/bias of Eq. 28-33)."""
     router = RepresentativeRouter(mlp.hidden_size, cfg.num_routed, cfg.top_k, mlp.act, mlp.gated,
                                   mlp.up_bias is not None, bias_speed=cfg.bias_speed, score=cfg.router_score)
@@ -89,7 +89,7 @@ def build_layer(mlp: MlpWeights, carving: Carving, cfg: CmoeConfig) -> MoeMLP:
     return moe_from_partition(mlp, carving.partition, router)
 
 
-def convert(ctx: ConversionContext, cfg: CmoeConfig) -> Conversion:
+def convert(ctx: ConversionContext, cfg: CarvingOptions) -> Conversion:
     adapter, model_config = ctx.adapter, ctx.model.config
     seq_len = cfg.effective_seq_len(model_config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)

@@ -12,7 +12,7 @@ import torch
 
 from moeify.calibration.data import token_stream
 from moeify.methods.base import ConversionContext
-from moeify.methods.cmoe.config import CmoeConfig
+from moeify.methods.cmoe.config import CarvingOptions
 from moeify.moe.accounting import moe_layers, tracking_routing
 from moeify.training.distributed import all_reduce_sum_
 from moeify.training.lora import lora_finetune
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def finetune(ctx: ConversionContext, cfg: CmoeConfig, seq_len: int) -> tuple[PreTrainedModel, dict[str, Any]]:
+def finetune(ctx: ConversionContext, cfg: CarvingOptions, seq_len: int) -> tuple[PreTrainedModel, dict[str, Any]]:
     """LoRA on the experts and the score scales u, with Eq. 33's load balancing after every step: the model
     with LoRA merged, and the log."""
     layers = moe_layers(ctx.model)

@@ -3,11 +3,11 @@ common phases, from the model's shape and the options alone (no torch)."""
 
 from __future__ import annotations
 
-from moeify.methods.cmoe.config import CmoeConfig
+from moeify.methods.cmoe.config import CarvingOptions
 from moeify.planning import MethodMemory, ModelShape, method_memory
 
 
-def memory(shape: ModelShape, cfg: CmoeConfig, nbytes: int) -> MethodMemory:
+def memory(shape: ModelShape, cfg: CarvingOptions, nbytes: int) -> MethodMemory:
     """Per layer: the MLP inputs X of every calibration token (captured, then concatenated), ATopK's float32
     unit-norm weights and hidden activations (gate, up, product) with the markers A (Eq. 5-6)."""
     q = cfg.calib_samples * cfg.effective_seq_len(shape.config)

@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Literal
 
 from moeify.methods.base import Deferred, Method
-from moeify.methods.cmoe.config import CmoeConfig, match_budget
+from moeify.methods.cmoe.config import CarvingOptions, match_budget
 from moeify.options import method_config, option
 
 
 @method_config
-class RandomSplitConfig(CmoeConfig):
+class RandomSplitConfig(CarvingOptions):
     partition: Literal["random"] = option("random", "fixed: shared and routed neurons drawn at random")
 
 
