@@ -2,7 +2,7 @@
 
 CMoE (Eq. 11-13) assigns n neurons to k equal clusters by repeating each of the k centroid
 columns `capacity` times and solving the n x n assignment with scipy's linear_sum_assignment.
-`moeify.moe.balanced_assignment` solves the same transportation problem as a min-cost flow. This
+`moeify.moe.experts.balanced_assignment` solves the same transportation problem as a min-cost flow. This
 script times both on the paper's shape (n = 9632 routed neurons, k = 14 clusters, capacity 688)
 with realistic costs, checks that the optimal costs agree and prints one JSON line.
 
@@ -28,10 +28,10 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 try:
-    from moeify.moe.balanced_assignment import balanced_assignment
+    from moeify.moe.experts.balanced_assignment import balanced_assignment
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from moeify.moe.balanced_assignment import balanced_assignment
+    from moeify.moe.experts.balanced_assignment import balanced_assignment
 
 
 def make_distances(n: int, k: int, dim: int, seed: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from moeify.evaluation.speed import forward_tokens_per_s
 from moeify.methods.tomoe import TomoeConfig
 from moeify.methods.tomoe.convert import convert
 from moeify.moe.accounting import activated_parameters
-from moeify.moe.head_dim import pruned_attention, rope_pairs
+from moeify.moe.attention.head_dim import pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter
 
 

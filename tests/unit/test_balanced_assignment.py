@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from moeify.moe.balanced_assignment import _cancel_negative_cycles, balanced_assignment
+from moeify.moe.experts.balanced_assignment import _cancel_negative_cycles, balanced_assignment
 
 
 def _sizes(n: int, k: int) -> list[int]:

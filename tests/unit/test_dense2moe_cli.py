@@ -1,6 +1,7 @@
 """Dense2MoE through the command line: ``moeify analyze`` and ``moeify convert --method dense2moe``."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,9 +64,8 @@ def test_a_killed_fine_tuning_resumes_through_the_work_folder(make_ctx, tmp_path
     options = {"calib_samples": 2, "seq_len": 64, "steps": 4, "warmup": 1, "checkpoint_every": 2}
 
     def run(work_dir=None, **extra):
-        ctx = make_ctx(tiny_model("llama", num_hidden_layers=3, vocab_size=512))
-        ctx.work_dir = work_dir
-        return ctx, convert(ctx, build_config(Dense2moeConfig, {**options, **extra}))
+        ctx = replace(make_ctx(tiny_model("llama", num_hidden_layers=3, vocab_size=512)), work_dir=work_dir)
+        return ctx, convert(ctx, build_config(Dense2moeConfig, {**options, **extra})).details
 
     reference, _ = run()
     calls = []

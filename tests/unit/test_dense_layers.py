@@ -13,8 +13,8 @@ from moeify.cli.main import main
 from moeify.export.approximate import approximate
 from moeify.export.hf_export import EXPORTERS
 from moeify.export.hf_parts import dense_form
-from moeify.moe.build import expert_mlp, moe_from_partition, shared_neuron_experts
-from moeify.moe.partition import ExpertPartition
+from moeify.moe.experts.build import expert_mlp, moe_from_partition, shared_neuron_experts
+from moeify.moe.experts.partition import ExpertPartition
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import PrototypeRouter
 from tests.helpers.tiny_models import tiny_model

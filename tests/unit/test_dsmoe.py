@@ -12,7 +12,7 @@ from moeify.methods.dsmoe import DsmoeConfig
 from moeify.methods.dsmoe.convert import contiguous_partition, convert
 from moeify.methods.dsmoe.train import DsmoeTrainingMLP, margin_gates_, sparsity_term, sparsity_terms
 from moeify.moe.accounting import moe_layers, nominal_activated_parameters
-from moeify.moe.build import moe_from_partition
+from moeify.moe.experts.build import moe_from_partition
 from moeify.options import OptionError, build_config
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import ThresholdRouter

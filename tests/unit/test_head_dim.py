@@ -7,7 +7,7 @@ import moeify
 from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
 from moeify.moe.accounting import activated_parameters
-from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
+from moeify.moe.attention.head_dim import head_dim_support, pruned_attention, rope_pairs
 from moeify.runtime.attention import HeadDimRouter
 from tests.helpers.conversion import assert_cached_generation_equals_uncached, clone
 from tests.helpers.remote import logits_without_moeify

@@ -15,8 +15,8 @@ from moeify.arch.standard_moe import is_standard_moe
 from moeify.export import hf_parts
 from moeify.export.hf_export import EXPORTERS, NotExportable, save_hf
 from moeify.moe.accounting import activated_parameters
-from moeify.moe.build import moe_from_partition
-from moeify.moe.partition import ExpertPartition
+from moeify.moe.experts.build import moe_from_partition
+from moeify.moe.experts.partition import ExpertPartition
 from moeify.runtime.packed import aligned_width
 from moeify.runtime.routers import Dispatch, LinearForm, PrototypeRouter, ThresholdRouter
 from tests.helpers.tiny_models import tiny_model

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moeify.arch.mlp import MlpWeights
-from moeify.moe.build import common_neurons_shared, expert_mlp, moe_from_partition, shared_neuron_experts
-from moeify.moe.partition import ExpertPartition, even_sizes
+from moeify.moe.experts.build import common_neurons_shared, expert_mlp, moe_from_partition, shared_neuron_experts
+from moeify.moe.experts.partition import ExpertPartition, even_sizes
 from moeify.runtime.experts import ExpertMLP
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import ArgmaxRouter, Dispatch, RepresentativeRouter

@@ -10,8 +10,8 @@ from moeify.methods.more import MoreConfig
 from moeify.methods.more.convert import convert
 from moeify.methods.more.layer_budget import LayerShape, candidate_layers, solve_budget
 from moeify.moe.accounting import activated_parameters, moe_layers
+from moeify.moe.experts.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.moe.routing import jsd_to_uniform
-from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.options import OptionError, build_config
 from tests.helpers.conversion import clone
 from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model

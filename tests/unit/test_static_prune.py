@@ -10,7 +10,7 @@ from moeify.arch import DecoderAdapter
 from moeify.methods.static_prune import StaticPruneConfig
 from moeify.methods.static_prune.convert import convert
 from moeify.moe.accounting import activated_parameters, moe_layers
-from moeify.moe.attention_importance import HeadDimSquares, qk_pair_importance, vo_dim_importance
+from moeify.moe.attention.importance import HeadDimSquares, qk_pair_importance, vo_dim_importance
 from moeify.options import OptionError
 from moeify.runtime.attention import PrunedAttention
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model

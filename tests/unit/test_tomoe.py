@@ -1,5 +1,7 @@
 """ToMoE on tiny models: Gumbel estimators, masks, conversion, pseudo-MoE, budget, resume, save/load."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,8 +29,7 @@ FAST = dict(steps=3, batch_size=2, seq_len=32, calib_samples=2, checkpoint_every
 
 def converted(family, make_ctx, work_dir=None, **options):
     dense = tiny_model(family, **STORIES_VOCAB)
-    ctx = make_ctx(clone(dense))
-    ctx.work_dir = work_dir
+    ctx = replace(make_ctx(clone(dense)), work_dir=work_dir)
     details = convert(ctx, TomoeConfig(**{**FAST, **options})).details
     return dense, ctx, details
 

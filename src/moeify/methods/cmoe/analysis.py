@@ -26,8 +26,8 @@ from torch import Tensor
 
 from moeify.arch.mlp import MlpWeights
 from moeify.calibration.observers import MeanSquares
-from moeify.moe.importance import channel_importance
-from moeify.moe.partition import ExpertPartition
+from moeify.moe.experts.importance import channel_importance
+from moeify.moe.experts.partition import ExpertPartition
 
 EXACT_SUBSETS = 1024
 MAX_TOKENS = 2048

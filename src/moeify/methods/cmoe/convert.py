@@ -16,8 +16,8 @@ from moeify.calibration.stream import stream_layers
 from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.cmoe.analysis import routing_errors, routing_summary
 from moeify.methods.cmoe.config import CarvingOptions
-from moeify.moe.build import load_neurons_, moe_from_partition
-from moeify.moe.partition import (
+from moeify.moe.experts.build import load_neurons_, moe_from_partition
+from moeify.moe.experts.partition import (
     ExpertPartition,
     balanced_kmeans,
     even_sizes,

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
 from moeify.arch.mlp import MlpWeights
-from moeify.moe.build import expert_mlp
 from moeify.moe.depth import remove_layers
+from moeify.moe.experts.build import expert_mlp
 from moeify.options import OptionError
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import SoftmaxTopKRouter

@@ -10,8 +10,8 @@ import torch
 from moeify.calibration.data import TextSource
 from moeify.methods.base import Analysis, Conversion, ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig, gate_scale
-from moeify.moe.build import moe_from_partition
-from moeify.moe.partition import ExpertPartition, even_sizes
+from moeify.moe.experts.build import moe_from_partition
+from moeify.moe.experts.partition import ExpertPartition, even_sizes
 from moeify.options import require_work_dir_for_resume
 from moeify.runtime.routers import ThresholdRouter
 

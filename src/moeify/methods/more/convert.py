@@ -24,10 +24,10 @@ from moeify.methods.more.layer_budget import (
     solve_budget,
     solve_naive_budget,
 )
-from moeify.moe.build import moe_from_partition, static_layer
-from moeify.moe.importance import channel_importance
-from moeify.moe.partition import ExpertPartition, random_partition
-from moeify.moe.spectral import bound_cluster_sizes, spectral_clusters
+from moeify.moe.experts.build import moe_from_partition, static_layer
+from moeify.moe.experts.importance import channel_importance
+from moeify.moe.experts.partition import ExpertPartition, random_partition
+from moeify.moe.experts.spectral import bound_cluster_sizes, spectral_clusters
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import PrototypeRouter, RandomRouter
 

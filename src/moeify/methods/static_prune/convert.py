@@ -16,10 +16,10 @@ from moeify.calibration.stream import stream_layers
 from moeify.methods.base import Conversion, ConversionContext
 from moeify.methods.static_prune.config import StaticPruneConfig
 from moeify.moe.accounting import attention_share, mlp_share_for_apr
-from moeify.moe.attention_importance import observe_head_dims, static_head_dims
-from moeify.moe.build import static_layer
-from moeify.moe.head_dim import head_dim_support, pruned_attention
-from moeify.moe.importance import channel_importance
+from moeify.moe.attention.head_dim import head_dim_support, pruned_attention
+from moeify.moe.attention.importance import observe_head_dims, static_head_dims
+from moeify.moe.experts.build import static_layer
+from moeify.moe.experts.importance import channel_importance
 from moeify.options import OptionError
 from moeify.training.lora import lora_finetune
 

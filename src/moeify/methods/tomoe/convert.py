@@ -44,8 +44,8 @@ from moeify.methods.tomoe.config import EMBED_DIM, TomoeConfig
 from moeify.methods.tomoe.modules import KEEP_BIAS
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
 from moeify.moe.accounting import layer_attention_counts
-from moeify.moe.build import common_neurons_shared
-from moeify.moe.head_dim import head_dim_support, pruned_attention, rope_pairs
+from moeify.moe.attention.head_dim import head_dim_support, pruned_attention, rope_pairs
+from moeify.moe.experts.build import common_neurons_shared
 from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.plots import training_curves
 from moeify.runtime.attention import HeadDimRouter, pruned_projection_params

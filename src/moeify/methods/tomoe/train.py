@@ -35,7 +35,7 @@ from moeify.methods.tomoe.modules import (
     MaskedMLP,
     st_gumbel_sigmoid,
 )
-from moeify.moe.head_dim import head_dim_costs
+from moeify.moe.attention.head_dim import head_dim_costs
 from moeify.training.distributed import gathered
 from moeify.training.loop import TrainPlan, train
 from moeify.training.losses import distillation_kl, final_hidden_states

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moeify.arch.mlp import MlpWeights
-from moeify.moe.partition import ExpertPartition
+from moeify.moe.experts.partition import ExpertPartition
 from moeify.runtime.experts import ExpertMLP, HiddenNeurons, SharedNeuronExperts
 from moeify.runtime.moe import MoeMLP
 

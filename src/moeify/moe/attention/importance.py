@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from moeify.moe.head_dim import rope_pairs
+from moeify.moe.attention.head_dim import rope_pairs
 
 
 class HeadDimSquares:

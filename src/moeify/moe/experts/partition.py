@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moeify.moe.balanced_assignment import balanced_assignment
+from moeify.moe.experts.balanced_assignment import balanced_assignment
 
 __all__ = ["ExpertPartition", "balanced_assignment", "balanced_kmeans", "even_sizes", "random_partition"]
 
