@@ -7,7 +7,7 @@ compare against. With ``finetune_steps``/``finetune_samples`` it gets CMoE's lig
 Choices:
 - One kept share r = ``active_ratio`` for every projection type, so APR = r. Per layer, query/key keep
   round(r x hd/2) RoPE pairs (dimensions i and i + hd/2 together, ToMoE Appendix A.2) and value/output
-  round(r x hd) dimensions, the same in every head (``moe.attention_importance`` has the scores); the
+  round(r x hd) dimensions, the same in every head (``moe.attention.importance`` has the scores); the
   MLP keeps the channels that bring the layer's active projections closest to r x its dense ones,
   about round(r x intermediate), absorbing the attention's rounding to whole pairs, so that the APR
   stays within one MLP channel of r per layer even with tiny heads (head_dim 8-16). At least one pair,
@@ -17,11 +17,11 @@ Choices:
   perplexity is nearly twice that with ``attention=off`` (both far above the dense model's): halving a
   head this narrow costs more than the MLP channels it spares, so compare both on a real model before
   choosing.
-- MLP channels are scored as in MoRE Eq. 7 / Wanda (``moe.importance``).
+- MLP channels are scored as in MoRE Eq. 7 / Wanda (``moe.experts.importance``).
 - Layers are pruned one at a time on the outputs of the already-pruned ones (streaming), so each
   importance is measured on the inputs the pruned model really produces. Within a layer, attention and
   MLP statistics come from the same pass, through the dense layer.
-- Where the attention's head dimension cannot be pruned (``moe.head_dim.head_dim_support``: Qwen3's
+- Where the attention's head dimension cannot be pruned (``moe.attention.head_dim.head_dim_support``: Qwen3's
   q/k norms, Phi-3's fused qkv, GPT-NeoX/Phi partial rotary and fused projections), or with
   ``attention=off`` (the ablation), the budget is met with MLP channels alone, the same share in every
   layer: keep = (r x P_total - P_attn) / P_mlp, and r at or below the attention's share is rejected with

@@ -27,11 +27,9 @@ Choices where the paper is open:
   record's activated-parameter ratio (``moe.accounting``).
 - Training text is the calibration text; batches of ``batch_size`` windows of ``seq_len`` tokens. The
   paper trains 10,000 steps at batch 1 x 2048 tokens on 7B models; the default here is a budget for a
-  2-core CPU at the paper's lr: 600 steps of 4 x 256 tokens (about a minute for stories260K). There the
-  training masks reach p = 0.5 about a third of the way through and the KD loss levels off by the end
-  (curves in the record and the PNG); lr 5e-3 for 150 steps ends about a tenth lower in held-out
-  perplexity at p = 0.5.
-- attention=on needs LLaMA-style attention (``moe.head_dim``: LLaMA, Mistral, Qwen2); other families
+  2-core CPU at the paper's lr: 600 steps of 4 x 256 tokens (the training curves are in the record and its
+  PNG).
+- attention=on needs LLaMA-style attention (``moe.attention.head_dim``: LLaMA, Mistral, Qwen2); other families
   run with attention=off (MLP experts only, the paper's "w/o VO routing" ablation is the nearest). The
   default, auto, takes on where the model allows it and off elsewhere, and records which (and why).
 """

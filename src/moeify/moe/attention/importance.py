@@ -14,7 +14,7 @@ O(heads x head_dim), independent of the number of tokens.
   which they are not exactly, but a product of means needs no (tokens x tokens) statistic. (Centring the
   keys, which discounts logit shifts the softmax ignores, chose worse pairs on stories260K.)
 - Value/output dimension j: s_j = sum_h E_t[v_gj^2] * ||W_o[:, (h, j)]||^2, the Wanda-style
-  |weight| x |activation| analogue (as MLP channels, ``moe.importance``): a head's attention output is
+  |weight| x |activation| analogue (as MLP channels, ``moe.experts.importance``): a head's attention output is
   a convex mixture of its values, so E[v^2] stands in for the output's scale at that dimension.
 """
 
@@ -53,7 +53,7 @@ class HeadDimSquares:
 @contextmanager
 def observe_head_dims(projections: dict[str, nn.Linear], head_dim: int) -> Iterator[HeadDimSquares]:
     """Hooks on an attention's q/k/v projections (by role, ``DecoderAdapter.attention_projections``;
-    LLaMA-style, see ``moe.head_dim.head_dim_support``) that fill the yielded ``HeadDimSquares`` while
+    LLaMA-style, see ``moe.attention.head_dim.head_dim_support``) that fill the yielded ``HeadDimSquares`` while
     the block runs; removed even when an exception escapes."""
     squares = HeadDimSquares(projections["q"].out_features // head_dim, projections["k"].out_features // head_dim,
                              head_dim)
