@@ -8,7 +8,8 @@ the converted model (``--models``). Rows are appended to ``--out`` as JSON lines
 rerun skips the rows already there (same name and options), so a long run can be continued. Speed is a
 separate pass (``--speed``), run when nothing else shares the CPU: the dense model and each saved model
 in one process (``moeify bench``'s ``benchmark_pair``: prefill at batch 1 and 8, greedy decode).
-``--markdown`` prints the table of what the file holds.
+``--markdown`` prints the table of what the file holds; ``--markdown --summary`` a compact one, per method
+its best row near APR 0.5 and near APR 0.8.
 
 Rows: the dense model; every method at its defaults; APR 0.5 and 0.8 through each method's own budget
 matcher (``moeify compare``'s); 25 % of the MLP for cmoe/random_split/static_prune (S2A2E16); the
@@ -17,7 +18,7 @@ paper's ablations; the CMoE light fine-tune recipe and static pruning with the s
     python benchmarks/bench_real.py [--rows NAME,...|all] [--out benchmarks/results/bench_real.jsonl]
         [--eval-chars 100000] [--models DIR]
     python benchmarks/bench_real.py --speed [--rows ...]    # then, on a quiet machine
-    python benchmarks/bench_real.py --markdown
+    python benchmarks/bench_real.py --markdown [--summary]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ OUT = Path(__file__).resolve().parent / "results" / "bench_real.jsonl"
 MODELS = Path(__file__).resolve().parent / "results" / "models"
 SEQ_LEN = 2048
 
-# The CPU fine-tuning recipe of the README: one pass over 384 windows of 512 tokens, 4 per step (96 steps).
+# The CPU fine-tuning recipe of docs/results.md: one pass over 384 windows of 512 tokens, 4 per step (96 steps).
 RECIPE = {"finetune_samples": 384, "finetune_seq_len": 512, "finetune_batch_size": 4, "lr": 1e-3}
 S2A2E16_APR = 0.4375  # static pruning of MLP channels at CMoE S2A2E16's activated-parameter ratio
 
@@ -52,7 +53,7 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     # CMoE against static pruning at the same activated parameters (25 % of the MLP), training-free
     "cmoe_S2A2E16": ("cmoe", {"spec": "S2A2E16"}),
     "static_prune_mlp_S2A2E16": ("static_prune", {"active_ratio": S2A2E16_APR, "attention": "off"}),
-    # ... and with the same light LoRA fine-tune (the README's recipe)
+    # ... and with the same light LoRA fine-tune (that recipe)
     "cmoe_S2A2E16_recipe": ("cmoe", {"spec": "S2A2E16", **RECIPE}),
     "static_prune_mlp_S2A2E16_lora": ("static_prune", {"active_ratio": S2A2E16_APR, "attention": "off", **RECIPE}),
     "random_split_S2A2E16": ("random_split", {"spec": "S2A2E16"}),
@@ -203,6 +204,42 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_APRS = (0.5, 0.8)
+SUMMARY_TOLERANCE = 0.06  # below the 0.0625 between APR 0.5 and the S2A2E16 rows (0.4375), another budget
+
+
+def _summary_cells(row: dict[str, Any] | None, dense: float | None) -> str:
+    if row is None:
+        return "- | - | - | - | -"
+    ratio = f"{row['ppl'] / dense:.2f}" if dense else "-"
+    return f"{row['row']} | {row['apr']:.3f} | {row['ppl']:.2f} | {ratio} | {_speedups(row)}"
+
+
+def summary(rows: dict[str, dict[str, Any]]) -> str:
+    """The compact table: per method, its lowest-perplexity row whose measured APR lies within
+    ``SUMMARY_TOLERANCE`` of each of ``SUMMARY_APRS``; the dense row first, as the reference of both, then
+    the methods in the order ``ROWS`` first names them."""
+    dense = rows.get("dense", {}).get("ppl")
+    group = "row | APR | PPL | x dense PPL | speed-up prefill b=1 / b=8 / decode"
+    lines = ["| method | " + " | ".join(f"near APR {apr}: {group}" for apr in SUMMARY_APRS) + " |",
+             "|---|" + "---|---|---|---|---|" * len(SUMMARY_APRS)]
+    if "dense" in rows:
+        lines.append("| dense | " + " | ".join(_summary_cells(rows["dense"], dense) for _ in SUMMARY_APRS) + " |")
+    for method in dict.fromkeys(method for method, _ in ROWS.values() if method is not None):
+        own = [rows[name] for name in ROWS if name in rows and rows[name]["method"] == method]
+        if not own:
+            continue
+        best = [min((r for r in own if abs(r["apr"] - apr) <= SUMMARY_TOLERANCE), key=lambda r: r["ppl"], default=None)
+                for apr in SUMMARY_APRS]
+        lines.append(f"| {method} | " + " | ".join(_summary_cells(r, dense) for r in best) + " |")
+    tolerance = f"within ±{SUMMARY_TOLERANCE} of {' and of '.join(map(str, SUMMARY_APRS))}"
+    lines += ["", (f"Per method, its row of lowest perplexity among those whose measured APR is {tolerance} "
+                   "(ablation variants included; the row column names it in the full table); dashes in place of a "
+                   "row: none that near. The dense model (APR 1) is the reference of both; a speed-up \"-\": not "
+                   "measured.")]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="all", help="comma-separated row names, or all: " + ", ".join(ROWS))
@@ -211,14 +248,19 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=MODELS, help="where the converted models are saved")
     parser.add_argument("--speed", action="store_true", help="measure the speed of the saved models of --rows")
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
+    parser.add_argument("--summary", action="store_true",
+                        help="with --markdown: print the compact table instead, one row per method at APR "
+                             f"{' and '.join(map(str, SUMMARY_APRS))} (the README's)")
     parser.add_argument("--run-row", help=argparse.SUPPRESS)  # one row, in this process (the driver's child)
     parser.add_argument("--eval-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_row:
         print(json.dumps(run_row(args.run_row, args.eval_file, args.models)))
         return
+    if args.summary and not args.markdown:
+        parser.error("--summary goes with --markdown")
     if args.markdown:
-        print(markdown(_done(args.out)))
+        print((summary if args.summary else markdown)(_done(args.out)))
         return
     names = list(ROWS) if args.rows == "all" else args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]

@@ -16,7 +16,7 @@ from moeify.methods import METHODS
 
 ROOT = Path(__file__).parents[2]
 README = ROOT / "README.md"
-METHODS_PAGE = ROOT / "docs" / "methods.md"
+METHOD_PAGES = ROOT / "docs" / "methods"
 
 
 def test_methods_lists_every_method_with_paper_and_options(capsys):
@@ -25,9 +25,26 @@ def test_methods_lists_every_method_with_paper_and_options(capsys):
     assert "cmoe:" in out and "arXiv:2502.04416" in out and "top_k" in out and "spec" in out
 
 
-def methods_markdown(capsys) -> str:
-    assert main(["methods", "--markdown"]) == 0
+def methods_markdown(capsys, *name: str) -> str:
+    assert main(["methods", "--markdown", *name]) == 0
     return capsys.readouterr().out
+
+
+def test_one_method_prints_its_own_section_of_the_listing_and_the_markdown(capsys):
+    """``moeify methods NAME`` is that method's part of the whole output (``recovery``: the recovery's), so
+    the pages that hold one section each hold, together, every option of every method."""
+    from moeify.cli.methods_cmd import section_names
+
+    names = section_names()
+    assert names == [method.name for method in METHODS] + ["recovery"]
+    assert "\n".join(methods_markdown(capsys, name) for name in names) == methods_markdown(capsys)
+    assert main(["methods"]) == 0
+    listing = capsys.readouterr().out
+    for name in names:
+        assert main(["methods", name]) == 0
+        assert capsys.readouterr().out.rstrip("\n") in listing
+    assert main(["methods", "--markdown", "nope"]) == 2
+    assert "unknown method 'nope'; available: cmoe" in capsys.readouterr().err
 
 
 def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsys):
@@ -42,18 +59,22 @@ def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsy
         assert method.paper in section and "| option | type | default | meaning |" in section
         rows = [line for line in section.splitlines() if line.startswith("| `")]
         names = [row.split(" | ")[0][3:-1] for row in rows]
-        assert sorted(names) == sorted(f.name for f in dataclasses.fields(method.config_cls))
+        shorthands = [shorthand.name for shorthand in method.config_cls.shorthands]  # e.g. CMoE's spec
+        assert sorted(names) == sorted([f.name for f in dataclasses.fields(method.config_cls)] + shorthands)
         assert names[0] == dataclasses.fields(method.config_cls)[0].name or "finetune_steps" not in names[0]
         assert all(row.count(" | ") == 3 for row in rows), rows  # a bare | in a cell would add a column
 
 
-def test_the_documented_method_options_are_the_generated_ones(capsys):
-    text = METHODS_PAGE.read_text()
-    start, end = "<!-- methods:start -->\n", "<!-- methods:end -->"
-    assert text.count(start) == 1 and text.count(end) == 1
+@pytest.mark.parametrize("name", [method.name for method in METHODS] + ["recovery"])
+def test_the_documented_method_options_are_the_generated_ones(name, capsys):
+    page = METHOD_PAGES / ("index.md" if name == "recovery" else f"{name}.md")
+    text = page.read_text()
+    start, end = f"<!-- methods:{name}:start -->\n", f"<!-- methods:{name}:end -->"
+    assert text.count(start) == 1 and text.count(end) == 1, f"{page} needs one pair of {name} markers"
     block = text.split(start, 1)[1].split(end, 1)[0]
-    assert block == methods_markdown(capsys), \
-        "docs/methods.md's options differ from the code: paste `moeify methods --markdown` between the markers"
+    assert block == methods_markdown(capsys, name), \
+        f"{page.relative_to(ROOT)}'s options differ from the code: paste `moeify methods --markdown {name}` " \
+        "between its markers"
 
 
 @pytest.fixture(scope="module")
@@ -219,15 +240,22 @@ def test_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
         main(["--debug", "eval", str(tmp_path / "nowhere" / "model")])
 
 
-@pytest.mark.parametrize("script,page", [("bench_real", "README.md"), ("compare_recovery", "docs/results.md"),
-                                         ("bench_memory", "docs/scaling.md")])
-def test_the_smollm2_tables_are_what_their_benchmarks_print_from_their_results(script, page):
+@pytest.mark.parametrize("script,flags,marker,page", [
+    ("bench_real", [], "bench_real", "docs/results.md"),
+    ("bench_real", ["--summary"], "bench_real_summary", "README.md"),
+    ("compare_recovery", [], "compare_recovery", "docs/results.md"),
+    ("bench_memory", [], "bench_memory", "docs/scaling.md"),
+])
+def test_the_smollm2_tables_are_what_their_benchmarks_print_from_their_results(script, flags, marker, page):
     path = ROOT / "benchmarks" / f"{script}.py"
-    table = subprocess.run([sys.executable, str(path), "--markdown"], capture_output=True, text=True,
+    table = subprocess.run([sys.executable, str(path), "--markdown", *flags], capture_output=True, text=True,
                            check=True).stdout
-    start, end = f"<!-- {script}:start -->\n", f"<!-- {script}:end -->"
-    block = (ROOT / page).read_text().split(start, 1)[1].split(end, 1)[0]
-    assert block == table, f"{page}'s table differs from `python benchmarks/{script}.py --markdown`"
+    text = (ROOT / page).read_text()
+    start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
+    assert text.count(start) == 1 and text.count(end) == 1, f"{page} needs one pair of {marker} markers"
+    block = text.split(start, 1)[1].split(end, 1)[0]
+    command = " ".join(["python", f"benchmarks/{script}.py", "--markdown", *flags])
+    assert block == table, f"{page}'s table differs from `{command}`"
 
 
 def test_no_command_writes_into_what_it_reads(converted, tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""``moeify methods``: the registered methods, their papers and options (``--markdown``: docs/methods.md's
-option tables, generated from the config classes so that the docs cannot drift from the code)."""
+"""``moeify methods``: the registered methods, their papers and options (``--markdown``: the option tables of
+the documentation's method pages, generated from the config classes so that the docs cannot drift from the
+code)."""
 
 from __future__ import annotations
 
@@ -8,36 +9,61 @@ from typing import Any
 
 from moeify.options import describe
 
+RECOVERY = "recovery"  # the section of the options every method takes, named like a method on the command line
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("methods", help="list the conversion methods with their papers and options",
-                            description="List every conversion method with its paper and its --set options.")
+                            description="List every conversion method with its paper and its --set options, then "
+                                        "the options of the recovery that every method takes; with METHOD, only "
+                                        f"that one ('{RECOVERY}': the recovery's).")
+    parser.add_argument("name", nargs="?", default=None, metavar="METHOD",
+                        help=f"only this method, or '{RECOVERY}' (default: every method, then the recovery)")
     parser.add_argument("--markdown", action="store_true",
-                        help="print a markdown section per method with a table of its options (docs/methods.md's)")
+                        help="print a markdown section per method with a table of its options (the block of "
+                             "docs/methods/<method>.md; the recovery's: of docs/methods/index.md)")
     parser.set_defaults(run=run)
 
 
+def section_names() -> list[str]:
+    """The sections both outputs are made of, in order: every method, then the recovery."""
+    from moeify.methods import METHODS
+
+    return [*(method.name for method in METHODS), RECOVERY]
+
+
+def _check_name(name: str | None) -> None:
+    if name is not None and name not in section_names():
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(section_names())}")
+
+
 def run(args: argparse.Namespace) -> int:
-    print(markdown() if args.markdown else listing(), end="")
+    _check_name(args.name)
+    print(markdown(args.name) if args.markdown else listing(args.name), end="")
     return 0
 
 
-def listing() -> str:
-    """The plain listing: per method its summary, paper and options with type, default and help."""
-    from moeify.methods import METHODS
+def _listing_section(name: str) -> list[str]:
+    from moeify.methods import get_method
     from moeify.training.recovery_options import RecoveryOptions
 
-    lines = []
-    for method in METHODS:
-        lines += [f"{method.name}: {method.summary}", f"  paper: {method.paper}", "  options (--set KEY=VALUE):"]
-        lines += [f"    {name:<20} {kind:<28} default {default!s:<16} {help_text}"
-                  for name, kind, default, help_text in describe(method.config_cls)]
-        lines.append("")
-    lines += ["recovery (every method, convert --set or moeify recover --set): distillation from the dense model",
-              "  options (--set KEY=VALUE):"]
-    lines += [f"    {name:<26} {kind:<22} default {default!s:<16} {help_text}"
-              for name, kind, default, help_text in describe(RecoveryOptions)]
-    return "\n".join(lines) + "\n"
+    if name == RECOVERY:
+        return ["recovery (every method, convert --set or moeify recover --set): distillation from the dense model",
+                "  options (--set KEY=VALUE):",
+                *(f"    {option:<26} {kind:<22} default {default!s:<16} {help_text}"
+                  for option, kind, default, help_text in describe(RecoveryOptions))]
+    method = get_method(name)
+    return [f"{method.name}: {method.summary}", f"  paper: {method.paper}", "  options (--set KEY=VALUE):",
+            *(f"    {option:<20} {kind:<28} default {default!s:<16} {help_text}"
+              for option, kind, default, help_text in describe(method.config_cls)), ""]
+
+
+def listing(name: str | None = None) -> str:
+    """The plain listing: per method its summary, paper and options with type, default and help; then the
+    recovery's options. ``name``: that section only."""
+    _check_name(name)
+    lines = [line for section in ([name] if name else section_names()) for line in _listing_section(section)]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _cell(text: str) -> str:
@@ -59,18 +85,27 @@ def _option_table(config_cls: type) -> list[str]:
         for name, kind, default, help_text in describe(config_cls)]
 
 
-def markdown() -> str:
-    """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options; then the
-    recovery's options, which every method takes."""
-    from moeify.methods import METHODS
+def _markdown_section(name: str) -> str:
+    """One section, ending in a newline: a method's ``### `name``` heading, paper, summary and options table,
+    or the recovery's heading, what it is and its table."""
+    from moeify.methods import get_method
     from moeify.training.recovery_options import RecoveryOptions
 
-    lines = []
-    for method in METHODS:
+    if name == RECOVERY:
+        lines = ["### Recovery (every method)", "",
+                 ("A distillation from the dense model after the conversion: `convert --set recover_tokens=N` or "
+                  "`moeify recover RUN --tokens N`."), "", *_option_table(RecoveryOptions)]
+    else:
+        method = get_method(name)
         summary = method.summary[:1].upper() + method.summary[1:]
-        lines += [f"### `{method.name}`", "", f"Paper: {method.paper}.", "", f"{summary}.", "",
-                  *_option_table(method.config_cls), ""]
-    lines += ["### Recovery (every method)", "",
-              ("A distillation from the dense model after the conversion: `convert --set recover_tokens=N` or "
-               "`moeify recover RUN --tokens N`."), "", *_option_table(RecoveryOptions), ""]
-    return "\n".join(lines)
+        lines = [f"### `{method.name}`", "", f"Paper: {method.paper}.", "", f"{summary}.", "",
+                 *_option_table(method.config_cls)]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(name: str | None = None) -> str:
+    """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options; then the
+    recovery's options, which every method takes. ``name``: that section only, as its page holds it; the
+    whole output is the sections joined by a blank line."""
+    _check_name(name)
+    return "\n".join(_markdown_section(section) for section in ([name] if name else section_names()))
