@@ -42,7 +42,7 @@ def main() -> None:
         config = build_config(CmoeConfig, {"spec": "S2A2E16", "finetune_samples": 4 * args.steps,
                                            "finetune_seq_len": 512, "lr": lr})
         start = time.perf_counter()
-        losses = finetune(ctx, config, 2048)["losses"]
+        losses = finetune(ctx, config, 2048)[1]["losses"]
         print(json.dumps({"lr": lr, "steps": args.steps, "first_loss": losses[0],
                           "last6_mean_loss": round(sum(losses[-6:]) / 6, 4),
                           "s_per_step": round((time.perf_counter() - start) / args.steps, 1)}), flush=True)

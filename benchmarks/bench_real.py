@@ -130,7 +130,7 @@ def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
             ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=False)
             start = time.perf_counter()
             try:
-                details = spec.run(ctx, config)
+                conversion = spec.run(ctx, config)
             except ValueError:
                 if options is attempts[-1]:
                     raise
@@ -138,7 +138,7 @@ def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
                 continue
             break
         convert_s = time.perf_counter() - start
-        model = ctx.model.eval()
+        model, details = conversion.model.eval(), conversion.details
         nominal = nominal_activated_parameters(model)
         row.update(options=options, how=how, convert_s=round(convert_s, 1),
                    nominal_apr=None if nominal is None else nominal.apr,

@@ -75,7 +75,7 @@ def _prepare_and_train(method: str, ctx: Any, config: Any) -> dict[str, Any]:
 
         convert(ctx, dataclasses.replace(config, finetune_steps=0))
         _reset_peak()
-        return finetune(ctx, config, seq_len)
+        return finetune(ctx, config, seq_len)[1]
     if method == "dsmoe":
         from moeify.methods.dsmoe.convert import partition_model_
         from moeify.methods.dsmoe.train import continue_training

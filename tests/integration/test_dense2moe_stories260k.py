@@ -9,7 +9,7 @@ on this model the removed layer's MLP is rarely the better one). The margin is n
 learning rate: at lr 3e-4 the three variants tie within 1 % (seeds 0/1/2: lfuc 7.91/7.82/7.93,
 prune_upcycle 7.85/7.86/7.90, prune_only 7.91/7.87/7.96), at the paper's 1e-4 lfuc is last (8.39
 against 8.04/8.14, seed 0). Top-2, where the fused MLP runs beside the kept one, is the decisive case.
-Several seeds and the other choices tried: ``benchmarks/bench_dense2moe.py`` and the README."""
+Several seeds and the other choices tried: ``benchmarks/bench_dense2moe.py``."""
 
 import pytest
 

@@ -6,7 +6,7 @@ when nothing else runs on it (the file: 88 s; 15 minutes when the CPU is shared)
 (``full`` and ``no_ste``). Measured when written: ``full`` at tau = 0.5, APR 0.921, perplexity 5.98
 (dense 4.648); ``no_ste`` at its own tau 0.5 APR 0.325, perplexity 33.8, and at tau 0.057, where it
 activates APR 0.929, perplexity 22.0. The STE ablation over several sparsity
-weights and the fine tau sweep are in ``benchmarks/bench_dsmoe.py`` (numbers in the README)."""
+weights and the fine tau sweep are in ``benchmarks/bench_dsmoe.py``."""
 
 import pytest
 

@@ -2,7 +2,9 @@
 
 import dataclasses
 import importlib
+import importlib.util
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -223,8 +225,6 @@ def test_the_resume_hint_asks_for_resume_once(tmp_path):
     (["--repeats", "0"], r"--repeats=0 is out of range"),
 ])
 def test_bench_refuses_bad_shapes_before_loading(flags, message, tmp_path, capsys):
-    import re
-
     assert main(["bench", str(tmp_path), *flags]) == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -240,22 +240,35 @@ def test_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
         main(["--debug", "eval", str(tmp_path / "nowhere" / "model")])
 
 
-@pytest.mark.parametrize("script,flags,marker,page", [
-    ("bench_real", [], "bench_real", "docs/results.md"),
-    ("bench_real", ["--summary"], "bench_real_summary", "README.md"),
-    ("compare_recovery", [], "compare_recovery", "docs/results.md"),
-    ("bench_memory", [], "bench_memory", "docs/scaling.md"),
-])
-def test_the_smollm2_tables_are_what_their_benchmarks_print_from_their_results(script, flags, marker, page):
-    path = ROOT / "benchmarks" / f"{script}.py"
-    table = subprocess.run([sys.executable, str(path), "--markdown", *flags], capture_output=True, text=True,
-                           check=True).stdout
-    text = (ROOT / page).read_text()
-    start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
-    assert text.count(start) == 1 and text.count(end) == 1, f"{page} needs one pair of {marker} markers"
-    block = text.split(start, 1)[1].split(end, 1)[0]
-    command = " ".join(["python", f"benchmarks/{script}.py", "--markdown", *flags])
-    assert block == table, f"{page}'s table differs from `{command}`"
+def _docs_tables():
+    """``benchmarks/docs_tables.py``, the one script that writes every table of figures from its results file."""
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "benchmarks" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass reads its own module
+    spec.loader.exec_module(module)
+    return module
+
+
+DOCS_TABLES = _docs_tables()
+
+
+@pytest.mark.parametrize("table", DOCS_TABLES.TABLES, ids=lambda table: table.name)
+def test_every_table_of_figures_is_what_its_benchmark_prints_from_its_results(table):
+    text = (ROOT / table.page).read_text()
+    start, end = table.markers()
+    assert text.count(start) == 1 and text.count(end) == 1, f"{table.page} needs one pair of {table.name} markers"
+    assert table.block() == table.printed(), \
+        f"{table.page}'s {table.name} differs from its results: run python benchmarks/docs_tables.py"
+
+
+def test_every_generated_block_of_the_docs_has_its_generator():
+    """A block between markers is either a method's options (``moeify methods``) or a table of
+    ``docs_tables.TABLES``: none is pasted by hand and forgotten."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    markers = {(str(page.relative_to(ROOT)), name) for page in pages
+               for name in re.findall(r"<!-- ([\w.:-]+):start -->", page.read_text())}
+    tables = {(table.page, table.name) for table in DOCS_TABLES.TABLES}
+    assert {m for m in markers if not m[1].startswith("methods")} == tables
 
 
 def test_no_command_writes_into_what_it_reads(converted, tmp_path, capsys):

@@ -37,10 +37,8 @@ Choices the paper leaves open:
   on, over the fitted tokens and over held-out text, ``benchmarks/bench_dsmoe_start.py``). With fewer
   tokens the fit follows them, not that direction, and held-out tokens start with experts off. The
   sparsity loss then lowers the gates until the least useful cross tau, one token and expert at a time.
-  On SmolLM2-135M (WikiText-2 test; figures in docs/methods.md) ``margin`` starts at the dense LM loss
-  and scores slightly below the dense perplexity after 30 steps with a few percent of the parameters
-  off; after 10 steps ``zero`` and ``random`` (whose first LM loss is already about three times the
-  dense one) score about fifty times the dense perplexity.
+  ``benchmarks/bench_dsmoe_start.py`` compares the three starts on SmolLM2-135M (its results file holds
+  the figures): ``margin`` starts at the dense LM loss, ``zero`` and ``random`` far above it.
 - The gate scale (``gate_weighting``): ``neutral`` (1 / g0, the layer starts as the dense MLP) by
   default, Eq. 7-8 exactly (``paper``, scale 1) with the paper's random start, where the layer starts
   slightly above the dense output at std 0.1 (the paper's function), not at twice that.

@@ -1,0 +1,93 @@
+"""Every table of measured figures in README.md and docs/, written from the results files in
+``benchmarks/results/``: each table is a benchmark's ``--markdown`` output, pasted between the markers
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` of its page.
+
+    python benchmarks/docs_tables.py            # rewrite every table from the results files
+    python benchmarks/docs_tables.py --check    # only say which tables differ (exit status 1 if any)
+
+A new table: one ``Table`` line below and the two markers in its page (``tests/unit/test_cli.py`` fails while
+a table differs from its results file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = "benchmarks/results"
+
+
+@dataclass(frozen=True)
+class Table:
+    """The markers' ``name``, the ``page`` that holds them and the benchmark command that prints the table."""
+
+    name: str
+    page: str
+    command: tuple[str, ...]
+
+    def printed(self) -> str:
+        """The table as the benchmark prints it from its results file."""
+        done = subprocess.run([sys.executable, str(HERE / self.command[0]), *self.command[1:]], cwd=ROOT,
+                              capture_output=True, text=True, check=True)
+        return done.stdout
+
+    def markers(self) -> tuple[str, str]:
+        return f"<!-- {self.name}:start -->\n", f"<!-- {self.name}:end -->"
+
+    def block(self) -> str:
+        """What the page holds between the markers now."""
+        start, end = self.markers()
+        text = (ROOT / self.page).read_text()
+        if start not in text or end not in text:
+            raise SystemExit(f"{self.page} has no {start.strip()} ... {end} markers for the table {self.name}")
+        return text.split(start, 1)[1].split(end, 1)[0]
+
+    def write(self, table: str) -> None:
+        start, end = self.markers()
+        path = ROOT / self.page
+        before, rest = path.read_text().split(start, 1)
+        path.write_text(before + start + table + end + rest.split(end, 1)[1])
+
+
+def _speed(results: str) -> tuple[str, ...]:
+    return ("serve_vllm.py", "--speed", "--markdown", "--out", f"{RESULTS}/{results}")
+
+
+TABLES = (
+    Table("bench_real_summary", "README.md", ("bench_real.py", "--markdown", "--summary")),
+    Table("bench_real", "docs/results.md", ("bench_real.py", "--markdown")),
+    Table("compare_recovery", "docs/results.md", ("compare_recovery.py", "--markdown")),
+    Table("bench_memory", "docs/scaling.md", ("bench_memory.py", "--markdown")),
+    Table("serve_vllm", "docs/serving.md", ("serve_vllm.py", "--markdown")),
+    Table("serve_vllm_speed", "docs/serving.md", ("serve_vllm.py", "--speed", "--markdown")),
+    Table("serve_vllm_speed_dsmoe", "docs/serving.md", _speed("serve_vllm_speed_dsmoe.jsonl")),
+    Table("serve_vllm_speed_xeon_all", "docs/serving.md", _speed("serve_vllm_speed_xeon_all.jsonl")),
+    Table("profile_vllm", "docs/serving.md", ("profile_vllm.py", "--markdown")),
+    Table("serve_vllm_speed_zentorch", "docs/serving.md", _speed("serve_vllm_speed_zentorch.jsonl")),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only say which tables differ from their results")
+    args = parser.parse_args()
+    stale = []
+    for table in TABLES:
+        printed = table.printed()
+        if table.block() != printed:
+            stale.append(table)
+            if not args.check:
+                table.write(printed)
+    verb = "differs from its results file" if args.check else "rewritten from its results file"
+    for table in stale:
+        print(f"{table.page}: {table.name} {verb} (python benchmarks/{' '.join(table.command)})")
+    sys.exit(1 if args.check and stale else 0)
+
+
+if __name__ == "__main__":
+    main()
