@@ -18,6 +18,7 @@ tokens a percent or so is sampling error, and only a longer text resolves a 1 % 
 
     python benchmarks/bench_bf16.py [--methods cmoe,more,...] [--eval-chars 20000]
         [--checkpoint /tmp/smollm2-135m-bf16] [--out benchmarks/results/bench_bf16.jsonl] [--work DIR]
+    python benchmarks/bench_bf16.py --markdown before|current|dsmoe_margin   # a table of docs/scaling.md
 
 ToMoE's training takes over an hour on a CPU: with ``--work DIR`` the run can be stopped (its checkpoints every 25
 steps are kept in ``DIR/tomoe/DTYPE.work``) and the same command continues it.
@@ -32,13 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
-
-from moeify.calibration.data import read_text
-from moeify.cli.convert_cmd import work_dir
-from moeify.evaluation.perplexity import perplexity, relative_change
-from moeify.loading import load_model
-from moeify.training.checkpoint import last_checkpoint
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_bf16.jsonl"
 
 # Training methods at a CPU budget (their defaults: hundreds of steps). ToMoE at 250 of its 600 default steps
 # (a 10-step ToMoE is untrained and chaotic; 600 steps in both dtypes take about 3 h at 7-10 s a step here),
@@ -52,6 +47,10 @@ METHODS = "cmoe,more,static_prune,random_split,teal,tomoe,dsmoe,dense2moe"
 
 def bf16_checkpoint(folder: Path) -> Path:
     """SmolLM2's GGUF weights rounded to bfloat16 and saved with the tokenizer into ``folder`` (once)."""
+    from bench_real import MODEL  # this folder is on sys.path when run
+
+    from moeify.loading import load_model
+
     if not (folder / "config.json").is_file():
         model, tokenizer = load_model(MODEL, dtype="bfloat16")
         model.save_pretrained(folder)
@@ -61,6 +60,8 @@ def bf16_checkpoint(folder: Path) -> Path:
 
 def eval_prefix(folder: Path, chars: int) -> Path:
     """The first ``chars`` characters of WikiText-2 raw test, as a file in ``folder``."""
+    from bench_real import EVAL
+
     path = folder / f"wikitext2_raw_test_first{chars}.txt"
     path.write_text(EVAL.read_text()[:chars])
     return path
@@ -88,6 +89,11 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
     metrics, on ``eval_file``, are shown as progress, not reported). Nothing to do where ``out`` holds it already; a
     training conversion stopped before it finished (``out``'s work folder holds a checkpoint) goes on from
     its latest checkpoint."""
+    from bench_real import CALIB
+
+    from moeify.cli.convert_cmd import work_dir
+    from moeify.training.checkpoint import last_checkpoint
+
     if (out / "config.json").is_file():
         return
     sets = [arg for key, value in OPTIONS.get(method, {}).items() for arg in ("--set", f"{key}={value}")]
@@ -102,12 +108,55 @@ def convert(method: str, model: Path, dtype: str, eval_file: Path, out: Path) ->
         raise SystemExit(f"bench_bf16: {method} in {dtype} failed (exit {child.returncode}); its error is above")
 
 
+# The tables of docs/scaling.md, by line of the results file (1-based, the file is only appended to): the code
+# of the time (before float32 masters and the DSMoE margin start), every method again with a later version, and
+# DSMoE with its margin start. The rows trained under bfloat16 autocast (float32 master weights, bfloat16
+# arithmetic: the code before fully trained models computed in float32) are marked as such.
+DOC_TABLES = {"before": (9, 21, 3, 22, 4, 23, 11, 19, 10, 20, 18, 26, 27, 14, 13, 17, 24, 15, 16, 25),
+              "current": (28, 29, 30, 31, 37, 32, 35, 33, 36, 34),
+              "dsmoe_margin": (39,)}
+AUTOCAST_LINES = frozenset({13, 14, 15, 26})
+
+
+def gap_cell(row: dict) -> str:
+    """The relative gap in %, with its standard error where the row has one; bold under the 1 % bound."""
+    gap = f"{100 * row['relative_gap']:.2f} %"
+    if row.get("stderr") is not None:
+        gap += f" +- {100 * row['stderr']:.2f} %"
+    return f"**{gap}**" if row["relative_gap"] < 0.01 else gap
+
+
+def markdown(path: Path, table: str) -> str:
+    """``DOC_TABLES[table]``: the lines of ``path`` it names, one row each."""
+    rows = path.read_text().splitlines()
+    lines = ["| method | options | float32 | bfloat16 | gap |", "|---|---|---|---|---|"]
+    for number in DOC_TABLES[table]:
+        row = json.loads(rows[number - 1])
+        options = [f"{key}={value}" for key, value in row["options"].items()] or ["defaults"]
+        if row["eval"] != "wikitext2_raw_test_first20000.txt":
+            options.append(f"{int(row['eval'].removeprefix('wikitext2_raw_test_first').removesuffix('.txt')):,} "
+                           "characters")
+        note = " (bfloat16 autocast)" if number in AUTOCAST_LINES else ""
+        lines.append(f"| {row['method']} | {', '.join(options)} | {row['ppl']['float32']:.2f} | "
+                     f"{row['ppl']['bfloat16']:.2f} | {gap_cell(row)}{note} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = arguments(__doc__, METHODS, "bench_bf16.jsonl")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep the conversions in WORK/METHOD/DTYPE (default: a temporary folder): a later run "
                              "scores them without converting again, and continues one stopped while training")
+    parser.add_argument("--markdown", choices=sorted(DOC_TABLES),
+                        help="print that table of docs/scaling.md from --out (DOC_TABLES: lines of the file) and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.out, args.markdown))
+        return
+    from moeify.calibration.data import read_text
+    from moeify.evaluation.perplexity import perplexity, relative_change
+    from moeify.loading import load_model
+
     model = bf16_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = eval_prefix(Path(tmp), args.eval_chars)

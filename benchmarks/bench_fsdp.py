@@ -15,6 +15,7 @@ differences matter here; short windows keep the evaluation below the training's 
 
     python benchmarks/bench_fsdp.py [--model PATH] [--method dense2moe] [--processes 2] [--set KEY=VALUE ...]
         [--out benchmarks/results/bench_fsdp.json]
+    python benchmarks/bench_fsdp.py --markdown    # the table of --out
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from safetensors.torch import load_file
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 SMOLLM2 = ASSETS / "models" / "smollm2-135m-instruct"
@@ -75,13 +74,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_fsdp.json"))
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.out.read_text())))
+        return
     if args.worker is not None:
         worker(args.model, args.method, args.set, args.worker, args.fsdp)
         return
     options = OPTIONS[args.method] + args.set
     runs = (("one process", 1, False), (f"{args.processes} processes, replicated", args.processes, False),
             (f"{args.processes} processes, --fsdp", args.processes, True))
+    from safetensors.torch import load_file
+
     rows, weights = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, processes, fsdp in runs:
@@ -96,17 +101,25 @@ def main() -> None:
                          "gap_to_one_process": gap(weights[name], weights["one process"])})
             print(json.dumps(rows[-1]), flush=True)
     rows[0]["gap_to_replicated"] = gap(weights[runs[0][0]], weights[runs[1][0]])
+    result = {"method": args.method, "model": args.model, "options": options, "rows": rows}
     print(f"\n{args.method} on {Path(args.model).name}, {' '.join(options)}:\n")
-    print("| run | peak RSS, main process (GiB) | `moeify plan` (GiB, phase) | training s | perplexity | "
-          "max weight difference to replicated / to one process |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['run']} | {row['peak_rss_gib']:.2f} | {row['plan_gib']:.2f} ({row['plan_phase']}) | "
-              f"{row['train_s']:.1f} | {row['ppl']:.3f} | {row['gap_to_replicated']:.1e} / "
-              f"{row['gap_to_one_process']:.1e} |")
+    print(markdown(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"method": args.method, "model": args.model, "options": options,
-                                    "rows": rows}, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _gap(value: float) -> str:
+    return f"{value:.1e}" if value else "0"
+
+
+def markdown(result: dict) -> str:
+    """The table of a run's ``result`` (what ``--out`` holds)."""
+    lines = [("| run | peak RSS, main process (GiB) | `moeify plan` (GiB, phase) | training s | perplexity | "
+              "max weight difference to replicated / to one process |"), "|---|---|---|---|---|---|"]
+    lines += [f"| {row['run']} | {row['peak_rss_gib']:.2f} | {row['plan_gib']:.2f} ({row['plan_phase']}) | "
+              f"{row['train_s']:.1f} | {row['ppl']:.3f} | {_gap(row['gap_to_replicated'])} / "
+              f"{_gap(row['gap_to_one_process'])} |" for row in result["rows"]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ same conversion made with the model whole in memory (``matches_whole``; that one
 
     python benchmarks/bench_memory.py [--model-dir /tmp/moeify-llama-1.1b] [--methods cmoe,more,static_prune]
         [--layer-by-layer] [--out benchmarks/results/bench_memory.jsonl]
+    python benchmarks/bench_memory.py --markdown [--layer-by-layer]
 """
 
 from __future__ import annotations
@@ -24,12 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from moeify import convert, load
-from moeify.calibration.data import EMBEDDED_EVAL, read_text
-from moeify.loading import load_model
 from moeify.methods import METHODS
 from moeify.planning import GIB
 
@@ -45,6 +40,11 @@ def build(folder: Path) -> None:
     """The random bfloat16 model and the embedded tokenizer, saved into ``folder`` (skipped if there)."""
     if (folder / "config.json").is_file():
         return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moeify.loading import load_model
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, dtype="bfloat16")).to(torch.bfloat16)
     model.save_pretrained(folder)
@@ -90,6 +90,10 @@ def measure(model: Path, method: str, options: dict[str, str], eval_file: Path, 
 def matches_whole(model: Path, method: str, options: dict[str, str], eval_file: Path, saved: Path) -> dict:
     """The same conversion made with the whole model in memory: its perplexity, and the largest logit
     difference between it and the saved layer-by-layer conversion, loaded (0.0: identical)."""
+    import torch
+
+    from moeify import convert, load
+
     whole = convert(model, method, options, eval=eval_file, eval_seq_len=EVAL_SEQ_LEN, measure_speed=False,
                     check_memory=False)
     loaded = load(saved)
@@ -117,6 +121,22 @@ def markdown(results: Path) -> str:
     return "\n".join(out)
 
 
+def markdown_layer_by_layer(results: Path) -> str:
+    """The latest layer-by-layer conversion per method of the 1.1B model that was compared with the whole-model
+    conversion (``matches_whole``): peak, plan, perplexity beside the whole model's, largest logit difference."""
+    latest: dict[str, dict] = {}
+    for line in results.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("layer_by_layer") and "whole_model_ppl" in row:
+            latest[row["method"]] = row
+    out = [("| method | peak RSS GiB | plan GiB (phase) | plan / measured | perplexity | whole model in memory | "
+            "max logit difference |"), "|---|---|---|---|---|---|---|"]
+    out += [f"| {method} | {row['peak_rss_gib']:.2f} | {row['plan_gib']:.2f} ({row['plan_phase']}) | "
+            f"{row['plan_over_measured']:.2f} | {row['ppl']:.1f} | {row['whole_model_ppl']:.1f} | "
+            f"{row['max_logit_difference_to_whole']:g} |" for method, row in latest.items()]
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "moeify-llama-1.1b")
@@ -126,10 +146,11 @@ def main() -> None:
     parser.add_argument("--layer-by-layer", action="store_true",
                         help="hold the model one decoder layer at a time, and compare with a whole-model conversion")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_memory.jsonl")
-    parser.add_argument("--markdown", action="store_true", help="print the tables of the results file and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of the results file and exit "
+                        "(with --layer-by-layer: the table of the layer-by-layer conversions against the whole model)")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown(args.out))
+        print(markdown_layer_by_layer(args.out) if args.layer_by_layer else markdown(args.out))
         return
     if args.smollm2:
         from bench_real import CALIB as calib
@@ -139,6 +160,8 @@ def main() -> None:
     else:
         model, methods, calib = args.model_dir, args.methods or "cmoe,more,static_prune", None
         build(model)
+    from moeify.calibration.data import EMBEDDED_EVAL, read_text
+
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = Path(tmp) / "eval.txt"
         eval_file.write_text(read_text(EMBEDDED_EVAL).text[:EVAL_CHARS])

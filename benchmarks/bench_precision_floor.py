@@ -11,28 +11,31 @@ crossing a decision boundary into an O(1) change of the next layer's input, so t
 Prints one JSON line per method (``dense``: the checkpoint itself), appended to ``--out``.
 
     python benchmarks/bench_precision_floor.py [--methods dense,cmoe,teal,random_split] [--seeds 3]
+    python benchmarks/bench_precision_floor.py --markdown
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from bench_bf16 import OPTIONS, arguments, bf16_checkpoint, eval_prefix, report  # this folder is on sys.path when run
-from bench_real import CALIB
-from torch import nn
 
-import moeify
-from moeify.calibration.data import read_text
-from moeify.evaluation.perplexity import perplexity
-from moeify.loading import load_model
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 EPSILONS = {"2^-20": 2.0 ** -20, "2^-9": 2.0 ** -9}
+MEANING = {"2^-20": "16 float32 ulps", "2^-9": "bfloat16's rounding"}
 
 
 def perturbed_inputs(model: nn.Module, eps: float, generator: torch.Generator) -> list:
     """Forward pre-hooks multiplying every decoder projection's input by (1 + eps u); returns the handles."""
+    import torch
+    from torch import nn
+
     def hook(_module: nn.Module, args: tuple) -> tuple:
         x = args[0]
         u = torch.rand(x.shape, generator=generator, dtype=torch.float32) * 2 - 1
@@ -43,6 +46,14 @@ def perturbed_inputs(model: nn.Module, eps: float, generator: torch.Generator) -
 
 def floor_row(method: str, checkpoint: Path, eval_file: Path, seeds: int) -> dict:
     """``method``'s float32 conversion (``dense``: the checkpoint), its perplexity and its relative moves."""
+    import torch
+    from bench_real import CALIB
+
+    import moeify
+    from moeify.calibration.data import read_text
+    from moeify.evaluation.perplexity import perplexity
+    from moeify.loading import load_model
+
     if method == "dense":
         model, tokenizer = load_model(checkpoint, dtype="float32")
     else:
@@ -65,10 +76,35 @@ def floor_row(method: str, checkpoint: Path, eval_file: Path, seeds: int) -> dic
             "max_abs_move": {label: max(abs(m) for m in values) for label, values in moves.items()}}
 
 
+def _move(value: float) -> str:
+    return f"{100 * value + 0.0:+.2f}"  # + 0.0: no "-0.00"
+
+
+def markdown(path: Path) -> str:
+    """The table of every line of ``path``: the float32 perplexity and, per eps, the largest relative move
+    over the draws (the moves of each draw beside bfloat16's)."""
+    labels = list(EPSILONS)
+    lines = ["| method | float32 | " + " | ".join(f"largest move, eps = {label} ({MEANING[label]})" for label in labels) + " |",
+             "|---|---|" + "---|" * len(labels)]
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        options = ", ".join(f"{key}={value}" for key, value in (row.get("options") or {}).items()
+                            if key != "checkpoint_every")
+        cells = [f"{100 * row['max_abs_move'][label]:.2f} %" for label in labels]
+        cells[-1] += f" ({', '.join(_move(m) for m in row['relative_moves'][labels[-1]])} %)"
+        lines.append(f"| {row['method']}{f' ({options})' if options else ''} | {row['ppl']:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = arguments(__doc__, "dense,cmoe,teal,random_split", "bench_precision_floor.jsonl")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.out))
+        return
     checkpoint = bf16_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = eval_prefix(Path(tmp), args.eval_chars)

@@ -62,6 +62,15 @@ TABLES = (
     Table("bench_real_summary", "README.md", ("bench_real.py", "--markdown", "--summary")),
     Table("bench_real", "docs/results.md", ("bench_real.py", "--markdown")),
     Table("compare_recovery", "docs/results.md", ("compare_recovery.py", "--markdown")),
+    Table("bench_speed", "docs/results.md", ("bench_speed.py", "--markdown")),
+    Table("bench_export_layout", "docs/results.md", ("bench_export_layout.py", "--markdown")),
+    Table("bench_convert_layer", "docs/results.md", ("bench_convert_layer.py", "--markdown")),
+    Table("bench_bf16_before", "docs/scaling.md", ("bench_bf16.py", "--markdown", "before")),
+    Table("bench_bf16_current", "docs/scaling.md", ("bench_bf16.py", "--markdown", "current")),
+    Table("bench_bf16_dsmoe_margin", "docs/scaling.md", ("bench_bf16.py", "--markdown", "dsmoe_margin")),
+    Table("bench_precision_floor", "docs/scaling.md", ("bench_precision_floor.py", "--markdown")),
+    Table("bench_memory_layer_by_layer", "docs/scaling.md", ("bench_memory.py", "--markdown", "--layer-by-layer")),
+    Table("bench_fsdp", "docs/scaling.md", ("bench_fsdp.py", "--markdown")),
     Table("bench_memory", "docs/scaling.md", ("bench_memory.py", "--markdown")),
     Table("serve_vllm", "docs/serving.md", ("serve_vllm.py", "--markdown")),
     Table("serve_vllm_speed", "docs/serving.md", ("serve_vllm.py", "--speed", "--markdown")),
@@ -69,6 +78,7 @@ TABLES = (
     Table("serve_vllm_speed_xeon_all", "docs/serving.md", _speed("serve_vllm_speed_xeon_all.jsonl")),
     Table("profile_vllm", "docs/serving.md", ("profile_vllm.py", "--markdown")),
     Table("serve_vllm_speed_zentorch", "docs/serving.md", _speed("serve_vllm_speed_zentorch.jsonl")),
+    Table("serve_llamacpp", "docs/serving.md", ("serve_llamacpp.py", "--markdown")),
 )
 
 

@@ -21,6 +21,7 @@ the converter:
         tar xzf /tmp/llama/llama_cpp_python-0.3.36.tar.gz -C /tmp/llama
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install /tmp/llama/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/serve_llamacpp.py --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
+    python benchmarks/serve_llamacpp.py --markdown    # the table of --out
 
 The MoRE conversion and its exports are those of ``serve_vllm.py`` (made if absent, in ``--work``).
 """
@@ -32,12 +33,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-from serve_vllm import EVAL, dense_folder, exported, prompts  # this folder is on sys.path when run
-from torch import Tensor, nn
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 OUT = Path(__file__).resolve().parent / "results" / "serve_llamacpp.jsonl"
 ROWS = ("dense", "more-granitemoeshared", "more")  # the engine on the dense model; granitemoeshared; qwen2_moe
@@ -57,6 +56,8 @@ def llama_runs(gguf: Path, ids: list[list[int]],
                expected: list[list[int]]) -> tuple[list[list[int]], list[Tensor], bool]:
     """llama.cpp's greedy continuations of ``ids`` as long as ``expected``'s (EOS not special), its
     teacher-forced logits on the ``expected`` tokens, and whether any logit was NaN."""
+    import numpy as np
+    import torch
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=256, logits_all=True, verbose=False, seed=0)  # scores kept
@@ -79,13 +80,14 @@ def llama_runs(gguf: Path, ids: list[list[int]],
     return greedy, forced, nan
 
 
-@torch.no_grad()
 def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], position: int) -> dict[str, float] | None:
     """Over the native model's routed layers, the smallest gap between the k-th and the (k+1)-th routing
     score of the export's linear routers (x @ W.T) at ``position`` of the forced sequence, and the median of
     that smallest gap over the sequence's positions; None for a model without linear routers. A gap near
     zero is a routing choice that float rounding may make either way: the engine then runs another expert
     for that token, and the difference spreads to the positions after it through attention."""
+    import torch
+
     from moeify.calibration.hooks import observing
     from moeify.runtime.moe import MoeMLP
     from moeify.runtime.routers import NotLinear
@@ -98,7 +100,7 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
     except NotLinear:
         return None
     inputs: list[Tensor] = []  # in forward order: the routers' order
-    with observing({router: lambda x, _out: inputs.append(x) for router in routers}):
+    with torch.no_grad(), observing({router: lambda x, _out: inputs.append(x) for router in routers}):
         model(input_ids=torch.tensor([prompt + tokens]))
     gaps = []
     for form, x in zip(forms, inputs):
@@ -109,13 +111,41 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
             "median_router_gap": float(smallest.median())}
 
 
+def markdown(path: Path) -> str:
+    """The table of ``path``'s latest line per row (in ``ROWS``' order): llama.cpp's greedy sequences and teacher-forced logits
+    against the native model's, or why llama.cpp's converter refused the export."""
+    latest: dict[str, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        latest[row["row"]] = row
+    lines = [("| row | format | identical greedy sequences | teacher-forced: argmax differences / positions | "
+              "largest logit difference | median per position | NaN |"), "|---|---|---|---|---|---|---|"]
+    for name, row in sorted(latest.items(), key=lambda item: ROWS.index(item[0]) if item[0] in ROWS else len(ROWS)):
+        if "conversion_error" in row:
+            lines.append(f"| {name} | {row['format']} | not converted: {row['conversion_error']} | - | - | - | - |")
+            continue
+        forced = (f"{row['argmax_differences']} / {row['forced_positions']}" if "forced_positions" in row else "-")
+        largest = f"{row['max_abs_logit_diff']:.3f}" if "max_abs_logit_diff" in row else "-"
+        median = f"{row['median_position_logit_diff']:.4f}" if "median_position_logit_diff" in row else "-"
+        lines.append(f"| {name} | {row['format']} | {row['identical_sequences']}/{row['sequences']} | {forced} | "
+                     f"{largest} | {median} | {'yes' if row['nan_logits'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree (its converter)")
+    parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree (its converter); required to measure")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-serve"))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.out))
+        return
+    if args.llama_cpp is None:
+        parser.error("--llama-cpp is required (unless --markdown)")
+    from serve_vllm import EVAL, dense_folder, exported, prompts  # this folder is on sys.path when run
     from transformers import AutoTokenizer
 
     import moeify
