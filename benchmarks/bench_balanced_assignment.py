@@ -21,12 +21,13 @@ The line is appended to ``--out``; ``--markdown`` prints the table of every line
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from results_file import append_row, read_rows  # this folder is on sys.path when run
 
 if TYPE_CHECKING:
     import torch
@@ -96,10 +97,7 @@ def main() -> int:
     row = {"bench": "balanced_assignment", "n": args.n, "k": args.k, "dim": args.dim, "repeats": args.repeats,
            "ours_s": round(ours_s, 4), "scipy_lsa_s": round(scipy_s, 2), "speedup": round(scipy_s / ours_s, 1),
            "cost_ours": cost_ours, "cost_scipy": cost_scipy, "costs_agree": agree}
-    print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row)
     return 0 if agree else 1
 
 
@@ -108,8 +106,7 @@ def markdown(path: Path) -> str:
     lines = [("| neurons n | clusters k (capacity) | balanced_assignment s (median of repeats) | "
               "scipy linear_sum_assignment on the n x n matrix, s | x faster | same optimal cost |"),
              "|---|---|---|---|---|---|"]
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_rows(path):
         lines.append(f"| {r['n']:,} | {r['k']} ({r['n'] // r['k']}) | {r['ours_s']:.3f} ({r['repeats']}) | "
                      f"{r['scipy_lsa_s']:.1f} | {r['speedup']:,.0f} | {'yes' if r['costs_agree'] else 'no'} |")
     return "\n".join(lines)

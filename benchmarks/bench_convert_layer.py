@@ -14,9 +14,10 @@ experts of 688: the balanced-assignment shape n = 9632, k = 14). Weights and act
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from results_file import append_row, read_rows  # this folder is on sys.path when run
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_convert_layer.jsonl"
 
@@ -50,17 +51,14 @@ def measure(tokens: int, specs: str, out: Path) -> None:
                "kmeans_s": round(t2 - t1, 2), "kmeans_iterations": carving.iterations,
                "build_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2),
                "threads": torch.get_num_threads()}
-        print(json.dumps(row), flush=True)
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(out, row)
 
 
 def markdown(path: Path) -> str:
     """The table of every line of ``path``."""
     lines = [("| MLP shape | spec | calibration tokens | total s | profiling s | balanced k-means s (iterations) | "
               "build s | threads |"), "|---|---|---|---|---|---|---|---|"]
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_rows(path):
         lines.append(f"| {r['shape']} | {r['spec']} | {r['calib_tokens']:,} | {r['total_s']:.1f} | "
                      f"{r['profiling_s']:.1f} | {r['kmeans_s']:.1f} ({r['kmeans_iterations']}) | {r['build_s']:.1f} | "
                      f"{r['threads']} |")

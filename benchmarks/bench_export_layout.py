@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from results_file import append_row, read_rows  # this folder is on sys.path when run
 
 if TYPE_CHECKING:
     import torch
@@ -126,8 +127,8 @@ def markdown(path: Path) -> str:
     each export's float32 logit difference to the native model."""
     lines = [("| run | model | prefill tokens/s (x dense) | decode tokens/s | max \\|Δlogits\\| to native, float32 "
               "(with the export's MLP blocks in the native model) |"), "|---|---|---|---|---|"]
-    for run, line in enumerate(path.read_text().splitlines(), 1):
-        r = json.loads(line)
+    rows = read_rows(path)
+    for run, r in enumerate(rows, 1):
         dense = r["dense"]["prefill_tokens_per_s"]
         for key, name in MODELS:
             m = r[key]
@@ -140,7 +141,7 @@ def markdown(path: Path) -> str:
         f"{max(max(w) for w in r['petal_widths'])} neurons wide, padded to W = {r['packed_width']}; prefill "
         f"{r['batch']} x {r['seq']} tokens, decode {r['new_tokens']} tokens after a 32-token prompt at batch 1; "
         f"median of {r['repeats']} timed passes"
-        for run, r in enumerate(map(json.loads, path.read_text().splitlines()), 1)) + "."]
+        for run, r in enumerate(rows, 1)) + "."]
     return "\n".join(lines)
 
 
@@ -157,11 +158,7 @@ def main() -> None:
     if args.markdown:
         print(markdown(args.out))
         return
-    record = measure(args)
-    print(json.dumps(record), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_row(args.out, measure(args))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ shows there), beside the ideal (FLOP-count) speed-up. Prints one JSON line, appe
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from results_file import append_row, read_rows  # this folder is on sys.path when run
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_speed.jsonl"
 
@@ -71,8 +72,7 @@ def markdown(path: Path) -> str:
     lines = [("| model | CMoE spec (MLP share) | batch | dense tokens/s | MoE tokens/s (x dense) | "
               "MoE per-expert path tokens/s (x dense) | FLOP-ideal x dense | spread dense / MoE / per-expert |"),
              "|---|---|---|---|---|---|---|---|"]
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_rows(path):
         spread = " / ".join(f"{100 * r['spread'][k]:.0f} %" for k in ("dense", "moe", "moe_per_expert"))
         lines.append(f"| {r['shape']} | {r['spec']} ({r['mlp_ratio']:.2f}) | {r['batch']} x {r['seq']} | "
                      f"{r['dense_tokens_per_s']:.1f} | {r['moe_tokens_per_s']:.1f} ({r['speedup']:.2f}x) | "
@@ -94,11 +94,7 @@ def main() -> None:
     if args.markdown:
         print(markdown(args.out))
         return
-    row = measure(args)
-    print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, measure(args))
 
 
 if __name__ == "__main__":
