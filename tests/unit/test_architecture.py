@@ -117,8 +117,9 @@ def test_import_moeify_stays_light():
 def test_a_base_install_has_every_package_moeify_imports():
     """``pip install moeify`` (no extras) must run every command: each third-party package the source imports
     is a base dependency in pyproject.toml, except lm-eval (the ``eval`` extra), imported only by the
-    harness bridge, which names the extra when it is missing, and vLLM, imported only by the serving
-    check's child process, which runs in vLLM's own environment (benchmarks/make_vllm_venv.sh)."""
+    harness bridge, which names the extra when it is missing, vLLM, imported only by the serving
+    check's child process, which runs in vLLM's own environment (benchmarks/make_vllm_venv.sh), and
+    llama-cpp-python, one of the two quantisers a k-quant GGUF export may use, named when both are missing."""
     from importlib.metadata import packages_distributions
 
     import tomllib
@@ -137,7 +138,8 @@ def test_a_base_install_has_every_package_moeify_imports():
                     imported.setdefault(top, set()).add(path.relative_to(ROOT / "src").as_posix())
     missing = {top: sorted(paths) for top, paths in imported.items()
                if not {d.lower() for d in distributions.get(top, [top])} & base}
-    assert missing == {"lm_eval": ["moeify/evaluation/harness.py"], "vllm": ["moeify/evaluation/serving.py"]}
+    assert missing == {"lm_eval": ["moeify/evaluation/harness.py"], "vllm": ["moeify/evaluation/serving.py"],
+                       "llama_cpp": ["moeify/export/gguf/quantize.py"]}
     assert "lm-eval" in " ".join(project["optional-dependencies"]["eval"])
 
 

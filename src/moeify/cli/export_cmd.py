@@ -1,4 +1,5 @@
-"""``moeify export``: a converted folder -> a standard Hugging Face MoE architecture (vLLM, SGLang)."""
+"""``moeify export``: a converted folder -> a standard Hugging Face MoE architecture (vLLM, SGLang) or a GGUF
+file (llama.cpp)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from moeify.cli.format import print_table
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "export", help="write a converted model as a standard HF model (glm4_moe, qwen2_moe, mixtral; llama if dense)",
+        "export", help="write a converted model as a standard HF model (glm4_moe, qwen2_moe, mixtral, "
+                       "granitemoeshared; llama if dense) or a GGUF file for llama.cpp",
         description="Write the converted model in MODEL_DIR as a standard transformers MoE architecture that "
                     "loads without trust_remote_code (and in serving engines), when the format represents the "
                     "conversion exactly; otherwise say why. --check lists what every format says. What no format "
@@ -22,10 +24,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "projections for thresholded ones (TEAL); --dense-layers writes chosen routed layers as "
                     "dense MLPs, so that one wide layer does not set every layer's width. Each approximated "
                     "part's agreement and the perplexity change are reported. The native folder written by "
-                    "`moeify convert` stays the lossless format.")
+                    "`moeify convert` stays the lossless format. --format gguf writes one file that llama.cpp (and "
+                    "Ollama, LM Studio) runs: the granitemoeshared form of a routed model (llama.cpp's granitemoe) "
+                    "or the llama form of a dense one, with the dense model's tokenizer (from its GGUF file or its "
+                    "SentencePiece tokenizer.model), in --quant.")
     parser.add_argument("model", type=Path, help="converted model folder (moeify convert --out)")
     parser.add_argument("--format", default=None, help="target architecture (see --check)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (created atomically)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (created atomically); for gguf, the .gguf file")
+    parser.add_argument("--quant", default="f16", choices=("f32", "f16", "q8_0", "q4_k_m"),
+                        help="gguf only: the type of its matrices (norms and routers stay float32). f32, f16 and "
+                             "q8_0 are written by the gguf package; q4_k_m by llama.cpp's quantiser, which needs "
+                             "llama-quantize on PATH or llama-cpp-python installed (default f16)")
     parser.add_argument("--check", action="store_true", help="only say which formats represent the model, and why not")
     parser.add_argument("--approximate", action="store_true",
                         help="write the closest form of what the format cannot represent (measured, reported)")
@@ -85,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     dense_layers = None if args.dense_layers is None else parse_dense_layers(args.dense_layers)
     record = export_folder(args.model, args.format, args.out, approximate=args.approximate, dense_layers=dense_layers,
                            distill_steps=args.distill_steps, calib=args.calib, eval=args.eval, seed=args.seed,
-                           overwrite=args.overwrite, device=args.device, dtype=args.dtype)
+                           overwrite=args.overwrite, device=args.device, dtype=args.dtype, quant=args.quant)
     routed = sum(layer["routed"] for layer in record["layers"])
     rows = [("format", record["format"]),
             ("fidelity", "exact (up to fp rounding)" if record["exact"] else "APPROXIMATE (see the parts below)"),
@@ -101,6 +111,15 @@ def run(args: argparse.Namespace) -> int:
     if approximation := record.get("approximation"):
         rows += _approximation_rows(approximation)
         print("warning: the exported model approximates the converted one (--approximate)", file=sys.stderr)
-    print_table(f"moeify export --format {record['format']}", rows)
-    print(f"wrote {args.out}/ (loads with transformers.AutoModelForCausalLM.from_pretrained, no remote code)")
+    if written := record.get("gguf"):
+        types = ", ".join(f"{count} {name}" for name, count in written["tensor_types"].items())
+        rows += [("GGUF architecture (llama.cpp)", written["architecture"]),
+                 ("GGUF file type", f"{written['file_type']} ({types} tensors)"),
+                 ("GGUF tokenizer from", written["tokenizer"]), ("GGUF size", f"{written['bytes'] / 2**20:,.1f} MiB")]
+    print_table(f"moeify export --format {args.format}" + (" (through " + record["format"] + ")" if written else ""),
+                rows)
+    if written:
+        print(f"wrote {args.out} (runs in llama.cpp: llama-cli -m {args.out})")
+    else:
+        print(f"wrote {args.out}/ (loads with transformers.AutoModelForCausalLM.from_pretrained, no remote code)")
     return 0

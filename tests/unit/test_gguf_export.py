@@ -1,0 +1,203 @@
+"""GGUF files written by moeify, read back with the ``gguf`` package's reader: a routed conversion of the
+embedded stories260K (MoRE) as llama.cpp's granitemoe, a dense one (static pruning) as llama; names,
+shapes, types, hyperparameters, the tokenizer and the tensor values, and the permutation of q and k into
+llama.cpp's rotary layout checked against transformers' rotary embedding. That llama.cpp runs the files
+and gives the native tokens is measured in ``benchmarks/serve_llamacpp.py``."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import moeify
+from moeify.api import export_folder
+from moeify.cli.main import main
+from moeify.export.gguf import RECORD_KEY, NoGgufVocabulary, vocabulary
+from moeify.export.gguf.tensors import rotary_interleaved
+from moeify.export.hf_export import EXPORTERS
+from moeify.loading import load_model
+
+pytestmark = pytest.mark.slow  # two conversions of stories260K and their exports (~20 s)
+
+# q8_0: half an int8 step (each 32-value block's largest magnitude / 127), plus the float16 rounding of that step
+# (2^-11 relative) times the largest code, 127
+Q8_BOUND = (0.5 + 127 * 2.0 ** -11) / 127
+
+
+@pytest.fixture(scope="module")
+def natives(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    return {name: moeify.save(moeify.convert(None, name, {"attention": "off"} if name == "static_prune" else {},
+                                             measure_speed=False), root / name)
+            for name in ("more", "static_prune")}
+
+
+@pytest.fixture(scope="module")
+def files(natives, tmp_path_factory):
+    """{(conversion, quant): (record, path)}"""
+    root = tmp_path_factory.mktemp("gguf")
+    wanted = [("more", "f32"), ("more", "q8_0"), ("static_prune", "f16")]
+    return {(name, quant): (export_folder(natives[name], "gguf", root / f"{name}-{quant}.gguf", quant=quant),
+                            root / f"{name}-{quant}.gguf") for name, quant in wanted}
+
+
+def _fields(reader: gguf.GGUFReader) -> dict:
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def _expected_names(layers: int, routed: bool, shared: bool, tied: bool) -> set[str]:
+    names = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
+    per_layer = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output"]
+    per_layer += (["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+                  + (["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if shared else [])
+                  if routed else ["ffn_gate", "ffn_up", "ffn_down"])
+    return names | {f"blk.{i}.{name}.weight" for i in range(layers) for name in per_layer}
+
+
+def test_a_routed_conversion_is_llamacpp_granitemoe_with_its_names_shapes_and_hyperparameters(natives, files):
+    record, path = files[("more", "f32")]
+    reader = gguf.GGUFReader(path)
+    fields = _fields(reader)
+    export = EXPORTERS["granitemoeshared"].build(load_model(natives["more"])[0]).model
+    cfg = export.config
+    assert record["format"] == "granitemoeshared" and record["gguf"]["architecture"] == "granitemoe"
+    assert fields["general.architecture"] == "granitemoe"
+    assert fields["granitemoe.block_count"] == cfg.num_hidden_layers
+    assert fields["granitemoe.expert_count"] == cfg.num_local_experts
+    assert fields["granitemoe.expert_used_count"] == cfg.num_experts_per_tok == 1
+    assert fields["granitemoe.expert_shared_feed_forward_length"] == cfg.shared_intermediate_size
+    assert fields["granitemoe.feed_forward_length"] == cfg.intermediate_size
+    assert fields["granitemoe.attention.scale"] == pytest.approx(cfg.attention_multiplier)
+    assert fields["general.file_type"] == gguf.LlamaFileType.ALL_F32
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == _expected_names(cfg.num_hidden_layers, True, cfg.shared_intermediate_size > 0,
+                                           cfg.tie_word_embeddings)
+    experts = tensors["blk.1.ffn_gate_exps.weight"]  # GGUF lists dimensions innermost first
+    assert list(experts.shape) == [cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts]
+    assert json.loads(fields[RECORD_KEY])["format"] == "granitemoeshared"
+
+
+def test_float32_tensors_are_the_exports_with_q_and_k_in_llamacpp_rotary_order(natives, files):
+    reader = gguf.GGUFReader(files[("more", "f32")][1])
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    export = EXPORTERS["granitemoeshared"].build(load_model(natives["more"])[0]).model
+    state, cfg = export.state_dict(), export.config
+    layer = "model.layers.1."
+    gate_up = state[layer + "block_sparse_moe.experts.gate_up_proj"].numpy()
+    width = cfg.intermediate_size
+    assert np.array_equal(tensors["blk.1.ffn_gate_exps.weight"], gate_up[:, :width])
+    assert np.array_equal(tensors["blk.1.ffn_up_exps.weight"], gate_up[:, width:])
+    assert np.array_equal(tensors["blk.1.ffn_gate_inp.weight"], state[layer + "block_sparse_moe.router.weight"].numpy())
+    assert np.array_equal(tensors["blk.1.attn_v.weight"], state[layer + "self_attn.v_proj.weight"].numpy())
+    q = state[layer + "self_attn.q_proj.weight"]
+    assert np.array_equal(tensors["blk.1.attn_q.weight"], rotary_interleaved(q, cfg.num_attention_heads).numpy())
+    assert not np.array_equal(tensors["blk.1.attn_q.weight"], q.numpy())
+
+
+def test_the_rotary_permutation_turns_transformers_rotation_into_llamacpp_adjacent_pair_rotation():
+    """transformers rotates (i, i + d/2) pairs of each head (rotate_half); llama.cpp's llama/granite rotate
+    (2i, 2i + 1). Rotating the permuted projection's output the llama.cpp way gives the permuted output of
+    transformers' rotation, so attention scores (q . k over a head) are the same."""
+    heads, dim, hidden, positions, theta = 3, 8, 12, 5, 10000.0
+    torch.manual_seed(0)
+    weight, x = torch.randn(heads * dim, hidden), torch.randn(positions, hidden)
+    inv_freq = theta ** (-torch.arange(0, dim, 2).double() / dim)
+    angles = torch.arange(positions).double()[:, None] * inv_freq[None]  # (positions, dim / 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q = (x.double() @ weight.double().T).view(positions, heads, dim).transpose(0, 1)[None]
+    rotated_hf, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None])
+    permuted = (x.double() @ rotary_interleaved(weight, heads).double().T).view(positions, heads, dim // 2, 2)
+    c, s = angles.cos()[:, None], angles.sin()[:, None]
+    even, odd = permuted[..., 0], permuted[..., 1]
+    rotated_cpp = torch.stack([even * c - odd * s, even * s + odd * c], -1).reshape(positions, heads * dim)
+    expected = rotary_interleaved(rotated_hf[0].transpose(0, 1).reshape(positions, heads * dim).T, heads).T
+    torch.testing.assert_close(rotated_cpp, expected, rtol=0, atol=1e-12)
+
+
+def test_q8_0_quantises_the_matrices_within_one_step_and_keeps_norms_and_routers_float32(files):
+    exact = {t.name: t for t in gguf.GGUFReader(files[("more", "f32")][1]).tensors}
+    quantised = {t.name: t for t in gguf.GGUFReader(files[("more", "q8_0")][1]).tensors}
+    assert quantised["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert quantised["blk.1.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    matrices = [n for n, t in quantised.items() if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
+    assert "blk.1.ffn_gate_exps.weight" in matrices and "token_embd.weight" in matrices
+    for name, tensor in quantised.items():  # rows that do not split into 32-value blocks: float16
+        if name not in matrices and tensor.tensor_type == gguf.GGMLQuantizationType.F16:
+            assert int(tensor.shape[0]) % 32, name
+    for name in matrices:
+        value = gguf.quants.dequantize(quantised[name].data, gguf.GGMLQuantizationType.Q8_0)
+        reference = np.asarray(exact[name].data)
+        blocks = np.abs(reference.reshape(-1, 32)).max(axis=1, keepdims=True)
+        error = np.abs(value.reshape(-1, 32) - reference.reshape(-1, 32))
+        assert (error <= blocks * Q8_BOUND).all(), name
+
+
+def test_a_dense_conversion_is_llamacpp_llama(natives, files):
+    record, path = files[("static_prune", "f16")]
+    reader = gguf.GGUFReader(path)
+    fields = _fields(reader)
+    cfg = EXPORTERS["llama"].build(load_model(natives["static_prune"])[0]).model.config
+    assert record["format"] == "llama" and fields["general.architecture"] == "llama"
+    assert fields["llama.feed_forward_length"] == cfg.intermediate_size
+    assert fields["llama.attention.head_count_kv"] == cfg.num_key_value_heads
+    assert {t.name for t in reader.tensors} == _expected_names(cfg.num_hidden_layers, False, False,
+                                                                 cfg.tie_word_embeddings)
+    assert reader.tensors[0].tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32)
+    assert {t.tensor_type.name for t in reader.tensors} == {"F16", "F32"}
+
+
+def test_the_tokenizer_is_the_dense_models_sentencepiece_model_and_copies_from_a_gguf_file(files, tokenizer, tmp_path):
+    reader = gguf.GGUFReader(files[("more", "f32")][1])
+    fields = _fields(reader)
+    assert fields["tokenizer.ggml.model"] == "llama"
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens) == fields["granitemoe.vocab_size"]
+    vocab = tokenizer.get_vocab()
+    assert all(tokens[i] == piece for piece, i in vocab.items() if i < len(tokens))
+    assert fields["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
+    assert fields["tokenizer.ggml.add_bos_token"] is True
+    copied = vocabulary([files[("more", "f32")][1]], len(tokens))  # a GGUF source: its keys as they are
+    writer = gguf.GGUFWriter(tmp_path / "copy.gguf", "llama")
+    copied.add_to(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    again = _fields(gguf.GGUFReader(tmp_path / "copy.gguf"))
+    assert {k: v for k, v in again.items() if k.startswith("tokenizer.")} == \
+        {k: v for k, v in fields.items() if k.startswith("tokenizer.")}
+
+
+def test_bad_requests_are_refused_before_any_work(natives, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--quant 'q3' is not one of f32, f16, q8_0, q4_k_m"):
+        export_folder(natives["more"], "gguf", tmp_path / "a.gguf", quant="q3")
+    with pytest.raises(ValueError, match="--quant is the gguf format's"):
+        export_folder(natives["more"], "qwen2_moe", tmp_path / "a", quant="q8_0")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # import fails
+    with pytest.raises(ValueError, match="needs llama.cpp's quantiser"):
+        export_folder(natives["more"], "gguf", tmp_path / "a.gguf", quant="q4_k_m")
+    (tmp_path / "exists.gguf").write_bytes(b"not moeify's")
+    with pytest.raises(FileExistsError, match="exists"):
+        export_folder(natives["more"], "gguf", tmp_path / "exists.gguf")
+    assert (tmp_path / "exists.gguf").read_bytes() == b"not moeify's"
+
+
+def test_a_byte_level_bpe_tokenizer_without_a_gguf_source_is_refused_by_name(natives, tmp_path):
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(NoGgufVocabulary, match="convert_hf_to_gguf.py"):
+        vocabulary([folder], 32)
+
+
+def test_cli_writes_a_gguf_and_says_what_it_holds(natives, files, tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    assert main(["export", str(natives["more"]), "--format", "gguf", "--quant", "f16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "granitemoe" in printed and "MOSTLY_F16" in printed and f"wrote {out}" in printed
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_F16
+    assert out.stat().st_size < files[("more", "f32")][1].stat().st_size
