@@ -1,66 +1,162 @@
-"""llama.cpp runs moeify's granitemoeshared export of SmolLM2 with the native model's greedy tokens.
+"""llama.cpp runs moeify's GGUF exports of SmolLM2: the native greedy tokens, perplexity per quantisation,
+and prompt and generation speed against the dense model in the same quantisation.
 
-llama.cpp computes qwen2_moe's shared-expert gate through silu(x) / x, NaN at the zero gate that makes
-moeify's qwen2_moe export exact; granitemoeshared keeps the shared MLP always on with no gate, which is
-how llama.cpp's own Granite code (src/models/granite.cpp) computes it. This converts the export to GGUF
-with llama.cpp's own converter (float32), decodes 64 tokens greedily for the 8 prompts of
-``serve_vllm.py`` with llama-cpp-python, and compares them with moeify's native model (where a sequence
-parts, the native model's top-2 logit margin there says whether it was a near-tie). Then, teacher-forced
-on the native greedy sequences, llama.cpp's logits at every position against the native model's: the
-largest difference, the positions whose argmax is not the native token and the native margin there, and,
-for a routed model, the smallest routing-score gap at the largest difference's position (a routing
-near-tie that the engine's rounding breaks the other way moves more than a tie of the output). The
-dense SmolLM2 goes through the same steps first: what llama.cpp's float32 arithmetic does to the model
-it was converted from is the yardstick for the export's rows. One JSON line per row is appended to
-``--out``; the qwen2_moe export is tried too (llama.cpp's converter may refuse it: the row says why).
+Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go through the same writer) and
+each default conversion that llama.cpp's granitemoe holds (MoRE exactly, ToMoE's MLP experts exactly, CMoE
+through ``--approximate``), each written by ``moeify export --format gguf`` in every ``--quants``. Per row
+and quantisation, one JSON line in ``--out``:
 
-llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU); its source archive holds
-the converter:
+- agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
+  token ids, against moeify's native model (float32); then, teacher-forced on the native sequences,
+  llama.cpp's logits at every position against the native model's (largest difference, argmax differences,
+  the native top-2 margin where they part; for a routed model the smallest routing-score gap where the
+  difference is largest, a routing near-tie that llama.cpp's rounding breaks the other way);
+- perplexity through llama.cpp on the bench_real text (first 100,000 characters of WikiText-2 raw test, BOS
+  once, non-overlapping 2048-token windows, each window's first token unscored: bench_real's protocol);
+- speed at batch 1, the CPU to itself: prompt processing of a 512-token prompt and generation of 128 tokens
+  (tokens/s, median of ``--repeats``), with ``--threads`` threads.
 
-    pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/llama && \\
-        tar xzf /tmp/llama/llama_cpp_python-0.3.36.tar.gz -C /tmp/llama
+The conversions read the SmolLM2 GGUF itself, so the exports carry its tokenizer section as it is.
+llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
+
+    pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/llama
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install /tmp/llama/llama_cpp_python-0.3.36.tar.gz
-    python benchmarks/serve_llamacpp.py --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
+    python benchmarks/serve_llamacpp.py [--rows dense,more,tomoe,cmoe] [--quants f32,f16,q8_0,q4_k_m]
     python benchmarks/serve_llamacpp.py --markdown    # the table of --out
-
-The MoRE conversion and its exports are those of ``serve_vllm.py`` (made if absent, in ``--work``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from results_file import append_row, read_rows  # this folder is on sys.path when run
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
+EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 OUT = Path(__file__).resolve().parent / "results" / "serve_llamacpp.jsonl"
-ROWS = ("dense", "more-granitemoeshared", "more")  # the engine on the dense model; granitemoeshared; qwen2_moe
+EVAL_CHARS, SEQ_LEN = 100_000, 2048  # bench_real's perplexity protocol
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 8, 32, 64  # serve_vllm's agreement prompts
+SPEED_PROMPT, SPEED_NEW = 512, 128
+# row -> (method, conversion options, `moeify export` options); None: the dense model
+ROWS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]] | None] = {
+    "dense": None,
+    "more": ("more", {}, ()),
+    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, ()),
+    "cmoe": ("cmoe", {}, ("--approximate",)),
+}
+QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
+AGREEMENT_QUANTS = ("f32", "f16")
+MEASURES = ("agreement", "perplexity", "speed")
 
 
-def to_gguf(converter: Path, folder: Path) -> Path:
-    out = folder.with_suffix(".f32.gguf")
-    if not out.is_file():
-        done = subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "f32", "--outfile", str(out)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{converter.name} failed on {folder}:\n{done.stderr[-3000:]}")
+def moeify_cli(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "moeify", *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"moeify {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
+def native_folder(row: str, work: Path, eval_text: Path) -> Path:
+    """The native conversion of ``row`` (made once from the SmolLM2 GGUF)."""
+    method, options, _ = ROWS[row]
+    folder = work / row
+    if not (folder / "config.json").is_file():
+        sets = [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+        moeify_cli("convert", str(MODEL), "--method", method, "--out", str(folder), "--calib", str(CALIB),
+                   "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
+    return folder
+
+
+def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
+    """``row``'s GGUF in ``quant`` (written once): the dense model through the llama form, an export through
+    ``moeify export --format gguf``."""
+    out = work / f"{row}.{quant}.gguf"
+    if out.is_file():
+        return out
+    if ROWS[row] is None:
+        from moeify.export.gguf import vocabulary, write_gguf
+        from moeify.export.hf_export import HfExport
+        from moeify.loading import load_model
+
+        model = load_model(str(MODEL), dtype="float32")[0]
+        write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
+        return out
+    extra = ROWS[row][2]
+    texts = ("--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
+    moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", "gguf", "--quant", quant,
+               "--out", str(out), *extra, *texts)
     return out
 
 
-def llama_runs(gguf: Path, ids: list[list[int]],
-               expected: list[list[int]]) -> tuple[list[list[int]], list[Tensor], bool]:
+def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama_cpp: Path) -> dict[str, Any]:
+    """moeify's f32 GGUF of ``row`` against llama.cpp's own converter run on the same conversion's standard
+    export (``granitemoeshared`` or ``llama``): tensors identical byte for byte, and the keys that differ
+    (general.* metadata aside)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from moeify.export.gguf import RECORD_KEY
+
+    ours = GGUFReader(path)
+    fmt = json.loads(ours.fields[RECORD_KEY].contents()).get("format", "llama")
+    folder = work / f"{row}-{fmt}"
+    if not (folder / "config.json").is_file():
+        source = MODEL if ROWS[row] is None else native_folder(row, work, eval_text)
+        if ROWS[row] is None:
+            from moeify.loading import load_model
+
+            model, tokenizer = load_model(str(source), dtype="float32")
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        else:
+            extra = ROWS[row][2]
+            texts = ("--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
+            moeify_cli("export", str(source), "--format", fmt, "--out", str(folder), *extra, *texts)
+    theirs = work / f"{row}-converter.f32.gguf"
+    done = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                           "--outfile", str(theirs)], capture_output=True, text=True, check=False)
+    if done.returncode:
+        return {"converter_error": done.stderr.strip().splitlines()[-1]}
+    reference = GGUFReader(theirs)
+
+    def keys(reader: GGUFReader) -> dict[str, Any]:
+        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith(("GGUF.", "general.", "moeify."))}
+
+    mine, their_keys = keys(ours), keys(reference)
+    differing = sorted(k for k in set(mine) | set(their_keys) if mine.get(k) != their_keys.get(k))
+    a, b = {t.name: t for t in ours.tensors}, {t.name: t for t in reference.tensors}
+    same = [n for n in a.keys() & b.keys() if a[n].tensor_type == b[n].tensor_type
+            and np.array_equal(np.asarray(a[n].data).view(np.uint8), np.asarray(b[n].data).view(np.uint8))]
+    return {"converter": {"identical_tensors": len(same), "tensors": len(a), "converter_tensors": len(b),
+                          "differing_keys": differing}}
+
+
+def llama(path: Path, n_ctx: int, threads: int, logits_all: bool = False) -> Any:
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, logits_all=logits_all,
+                 verbose=False, seed=0)
+
+
+def llama_runs(path: Path, ids: list[list[int]], expected: list[list[int]],
+               threads: int) -> tuple[list[list[int]], list[Tensor], bool]:
     """llama.cpp's greedy continuations of ``ids`` as long as ``expected``'s (EOS not special), its
     teacher-forced logits on the ``expected`` tokens, and whether any logit was NaN."""
     import numpy as np
     import torch
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=256, logits_all=True, verbose=False, seed=0)  # scores kept
+    llm = llama(path, 256, threads, logits_all=True)
     greedy, forced, nan = [], [], False
     for prompt, tokens in zip(ids, expected):
         llm.reset()
@@ -111,73 +207,155 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
             "median_router_gap": float(smallest.median())}
 
 
+def agreement(row: str, path: Path, work: Path, eval_text: Path, ids: list[list[int]], threads: int) -> dict[str, Any]:
+    """llama.cpp's greedy tokens and teacher-forced logits against the native model's (float32)."""
+    from moeify.evaluation.serving import compare_tokens, forced_agreement, forced_logits, margins_at, native_tokens
+    from moeify.loading import load_model
+
+    native = MODEL if ROWS[row] is None else native_folder(row, work, eval_text)
+    model = load_model(str(native), dtype="float32")[0]
+    expected = native_tokens(model, ids, NEW_TOKENS)
+    tokens, forced, nan = llama_runs(path, ids, expected, threads)
+    result = {"nan_logits": nan, **compare_tokens(expected, tokens)}
+    result["native_margin_at_difference"] = margins_at(model, ids, expected, result["first_difference"])
+    result.update(forced_agreement(expected, [forced_logits(model, p, t) for p, t in zip(ids, expected)], forced))
+    sequence, position = result["max_abs_logit_diff_at"]
+    result["routing"] = routing_gaps(model, ids[sequence], expected[sequence], position)
+    return result
+
+
+def perplexity(path: Path, tokens: list[int], threads: int) -> dict[str, Any]:
+    """bench_real's protocol through llama.cpp: non-overlapping ``SEQ_LEN`` windows of ``tokens`` (BOS once,
+    at the start), each window's first token unscored; float64 log-softmax of llama.cpp's logits."""
+    import numpy as np
+
+    llm = llama(path, SEQ_LEN, threads, logits_all=True)
+    nll, scored = 0.0, 0
+    for start in range(0, len(tokens) - 1, SEQ_LEN):
+        window = tokens[start:start + SEQ_LEN]
+        if len(window) < 2:
+            break
+        llm.reset()
+        llm.eval(window)
+        logits = np.asarray(llm.scores[:len(window) - 1], dtype=np.float64)
+        peak = logits.max(axis=-1, keepdims=True)
+        log_z = (peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=-1)))
+        nll += float((log_z - logits[np.arange(len(window) - 1), window[1:]]).sum())
+        scored += len(window) - 1
+    return {"ppl": float(np.exp(nll / scored)), "scored_tokens": scored}
+
+
+def speed(path: Path, prompt: list[int], threads: int, repeats: int) -> dict[str, Any]:
+    """Batch-1 prompt processing (``len(prompt)`` tokens) and greedy generation (``SPEED_NEW`` tokens) in
+    tokens/s: the median of ``repeats`` runs, after one warm-up run."""
+    llm = llama(path, len(prompt) + SPEED_NEW + 8, threads)
+    prefill, generate = [], []
+    for _ in range(repeats + 1):
+        llm.reset()
+        began = time.perf_counter()
+        llm.eval(prompt)
+        prompted = time.perf_counter()
+        for _ in range(SPEED_NEW):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        done = time.perf_counter()
+        prefill.append(len(prompt) / (prompted - began))
+        generate.append(SPEED_NEW / (done - prompted))
+    prefill, generate = prefill[1:], generate[1:]
+    return {"prompt_tokens_per_s": statistics.median(prefill), "generation_tokens_per_s": statistics.median(generate),
+            "prompt_spread": (max(prefill) - min(prefill)) / statistics.median(prefill),
+            "generation_spread": (max(generate) - min(generate)) / statistics.median(generate),
+            "threads": threads, "repeats": repeats, "prompt_len": len(prompt), "new_tokens": SPEED_NEW}
+
+
+def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
+    """The dense model's multiply-accumulates per token over the export's (at the speed prompt's context)."""
+    if ROWS[row] is None:
+        return None
+    from moeify.evaluation.speed import macs_per_token
+    from moeify.loading import load_model
+
+    context = SPEED_PROMPT + SPEED_NEW
+    dense = macs_per_token(load_model(str(MODEL), dtype="float32")[0], context)
+    return dense / macs_per_token(load_model(str(native_folder(row, work, eval_text)), dtype="float32")[0], context)
+
+
 def markdown(path: Path) -> str:
-    """The table of ``path``'s latest line per row (in ``ROWS``' order): llama.cpp's greedy sequences and teacher-forced logits
-    against the native model's, or why llama.cpp's converter refused the export."""
-    latest: dict[str, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        latest[row["row"]] = row
-    lines = [("| row | format | identical greedy sequences | teacher-forced: argmax differences / positions | "
-              "largest logit difference | median per position | NaN |"), "|---|---|---|---|---|---|---|"]
-    for name, row in sorted(latest.items(), key=lambda item: ROWS.index(item[0]) if item[0] in ROWS else len(ROWS)):
-        if "conversion_error" in row:
-            lines.append(f"| {name} | {row['format']} | not converted: {row['conversion_error']} | - | - | - | - |")
-            continue
-        forced = (f"{row['argmax_differences']} / {row['forced_positions']}" if "forced_positions" in row else "-")
-        largest = f"{row['max_abs_logit_diff']:.3f}" if "max_abs_logit_diff" in row else "-"
-        median = f"{row['median_position_logit_diff']:.4f}" if "median_position_logit_diff" in row else "-"
-        lines.append(f"| {name} | {row['format']} | {row['identical_sequences']}/{row['sequences']} | {forced} | "
-                     f"{largest} | {median} | {'yes' if row['nan_logits'] else 'no'} |")
+    """One line per (row, quantisation), the latest of each: perplexity through llama.cpp and its change from
+    the same row's f16, agreement with the native model, and speed against the dense model's in the same
+    quantisation."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for line in read_rows(path):  # a later line's measurements replace an earlier one's, key by key
+        if "quant" in line:
+            rows.setdefault((line["row"], line["quant"]), {}).update(line)
+    lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
+              "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, quant), row in sorted(rows.items(), key=lambda item: (list(ROWS).index(item[0][0]),
+                                                                      QUANTS.index(item[0][1]))):
+        f16 = rows.get((name, "f16"), {}).get("ppl")
+        change = f"{row['ppl'] / f16 - 1:+.1%}" if f16 and quant != "f16" else "-"
+        agree = (f"{row['identical_sequences']}/{row['sequences']} / {row['argmax_differences']} of "
+                 f"{row['forced_positions']}" if "identical_sequences" in row else "-")
+        dense = rows.get(("dense", quant), {})
+        ratios = [f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
+                  for k in ("prompt_tokens_per_s", "generation_tokens_per_s")]
+        ideal = f"{row['ideal_speedup']:.2f}x" if row.get("ideal_speedup") else "-"
+        ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
+        prompt = f"{row['prompt_tokens_per_s']:.0f}" if "prompt_tokens_per_s" in row else "-"
+        generation = f"{row['generation_tokens_per_s']:.1f}" if "generation_tokens_per_s" in row else "-"
+        lines.append(f"| {name} | {quant} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | {agree} | {prompt} | "
+                     f"{ratios[0]} | {generation} | {ratios[1]} | {ideal} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree (its converter); required to measure")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-serve"))
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--quants", default=",".join(QUANTS), help=f"comma-separated, of {', '.join(QUANTS)}")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-llamacpp"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--measure", default=",".join(MEASURES),
+                        help="comma-separated, of agreement, perplexity, speed (speed wants the CPU to itself: "
+                             "measure it in a run of its own)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--llama-cpp", type=Path, default=None,
+                        help="a llama.cpp source tree: compare each f32 file with its converter's (convert_hf_to_gguf.py)")
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
     if args.markdown:
         print(markdown(args.out))
         return
-    if args.llama_cpp is None:
-        parser.error("--llama-cpp is required (unless --markdown)")
-    from serve_vllm import EVAL, dense_folder, exported, prompts  # this folder is on sys.path when run
-    from transformers import AutoTokenizer
-
-    import moeify
-    from moeify.evaluation.serving import compare_tokens, forced_agreement, forced_logits, margins_at, native_tokens
+    rows, quants, measures = args.rows.split(","), args.quants.split(","), args.measure.split(",")
+    if unknown := ([r for r in rows if r not in ROWS] + [q for q in quants if q not in QUANTS]
+                   + [m for m in measures if m not in MEASURES]):
+        parser.error(f"unknown rows, quants or measures: {', '.join(unknown)}")
+    from moeify.calibration.data import read_text, token_stream
+    from moeify.loading import load_model
 
     args.work.mkdir(parents=True, exist_ok=True)
-    eval_text = args.work / "wikitext2_raw_test_first20000.txt"
-    eval_text.write_text(EVAL.read_text()[:20000])
-    converter = args.llama_cpp / "convert_hf_to_gguf.py"
-    dense = dense_folder(args.work)
-    ids = prompts(AutoTokenizer.from_pretrained(dense))
-    for row in ROWS:
-        native, export = (dense, dense) if row == "dense" else exported(row, args.work, eval_text)
-        result: dict[str, Any] = {"row": row, "format": json.loads((export / "config.json").read_text())["model_type"],
-                                  "engine": "llama.cpp (llama-cpp-python), f32 GGUF"}
-        try:
-            gguf = to_gguf(converter, export)
-        except RuntimeError as error:  # the converter refuses the checkpoint: say why
-            result["conversion_error"] = str(error).strip().splitlines()[-1]
-        else:
-            model = moeify.load_model(str(native), dtype="float32")[0]
-            expected = native_tokens(model, ids, args.new_tokens)
-            tokens, forced, nan = llama_runs(gguf, ids, expected)
-            result.update(nan_logits=nan, **compare_tokens(expected, tokens))
-            result["native_margin_at_difference"] = margins_at(model, ids, expected, result["first_difference"])
-            native_logits = [forced_logits(model, p, t) for p, t in zip(ids, expected)]
-            result.update(forced_agreement(expected, native_logits, forced))
-            sequence, position = result["max_abs_logit_diff_at"]
-            result["routing"] = routing_gaps(model, ids[sequence], expected[sequence], position)
-        print(json.dumps(result), flush=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+    eval_text = args.work / f"wikitext2_raw_test_first{EVAL_CHARS}.txt"
+    eval_text.write_text(EVAL.read_text()[:EVAL_CHARS])
+    tokenizer = load_model(str(MODEL), dtype="float32")[1]
+    tokens = token_stream(read_text(eval_text), tokenizer).tolist()
+    paragraphs = [line.strip() for line in EVAL.read_text().splitlines() if len(line.strip()) > 400]
+    ids = [tokenizer(p)["input_ids"][:PROMPT_TOKENS] for p in paragraphs[:PROMPTS]]
+    speed_prompt = tokenizer(EVAL.read_text()[200_000:260_000])["input_ids"][:SPEED_PROMPT]
+    for row in rows:
+        ideal = ideal_speedup(row, args.work, eval_text)
+        for quant in quants:
+            path = gguf_file(row, quant, args.work, eval_text)
+            result: dict[str, Any] = {"row": row, "quant": quant, "engine": "llama.cpp (llama-cpp-python 0.3.36)",
+                                      "bytes": path.stat().st_size, "ideal_speedup": ideal}
+            if "agreement" in measures and quant in AGREEMENT_QUANTS:
+                result.update(agreement(row, path, args.work, eval_text, ids, args.threads))
+                if quant == "f32" and args.llama_cpp is not None:
+                    result.update(converter_agreement(row, path, args.work, eval_text, args.llama_cpp))
+            if "perplexity" in measures:
+                result.update(perplexity(path, tokens, args.threads))
+            if "speed" in measures:
+                result.update(speed(path, speed_prompt, args.threads, args.repeats))
+            append_row(args.out, result)
 
 
 if __name__ == "__main__":

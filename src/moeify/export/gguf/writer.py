@@ -52,6 +52,7 @@ def _write(export: HfExport, path: Path, vocabulary: Vocabulary, quant: str, rec
     config = export.model.config
     file_type, quantised = FILE_TYPES[quant]
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCHITECTURES[export.format]])
+    writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(str(getattr(config, "_name_or_path", "") or f"moeify {export.format} export"))
     add_hyperparameters(writer, export.format, config)
     writer.add_file_type(file_type)
