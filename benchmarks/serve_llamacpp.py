@@ -282,18 +282,22 @@ def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
 def markdown(path: Path) -> str:
     """One line per (row, quantisation), the latest of each: perplexity through llama.cpp and its change from
     the same row's f16, agreement with the native model, and speed against the dense model's in the same
-    quantisation."""
+    quantisation; then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
+    standard export, float32), which lines without a quantisation hold."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
+    converted: dict[str, dict[str, Any]] = {}
     for line in read_rows(path):  # a later line's measurements replace an earlier one's, key by key
         if "quant" in line:
             rows.setdefault((line["row"], line["quant"]), {}).update(line)
+        else:
+            converted[line["row"]] = line
     lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
               "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
     for (name, quant), row in sorted(rows.items(), key=lambda item: (list(ROWS).index(item[0][0]),
                                                                       QUANTS.index(item[0][1]))):
         f16 = rows.get((name, "f16"), {}).get("ppl")
-        change = f"{row['ppl'] / f16 - 1:+.1%}" if f16 and quant != "f16" else "-"
+        change = f"{row['ppl'] / f16 - 1:+.1%}" if f16 and "ppl" in row and quant != "f16" else "-"
         agree = (f"{row['identical_sequences']}/{row['sequences']} / {row['argmax_differences']} of "
                  f"{row['forced_positions']}" if "identical_sequences" in row else "-")
         dense = rows.get(("dense", quant), {})
@@ -305,6 +309,19 @@ def markdown(path: Path) -> str:
         generation = f"{row['generation_tokens_per_s']:.1f}" if "generation_tokens_per_s" in row else "-"
         lines.append(f"| {name} | {quant} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | {agree} | {prompt} | "
                      f"{ratios[0]} | {generation} | {ratios[1]} | {ideal} |")
+    if converted:
+        lines += [""] if lines else []  # a blank line between the two tables
+        lines += [("| row (converter route, f32) | format | identical greedy sequences | "
+                   "teacher-forced: argmax differences / positions | largest logit difference | NaN |"),
+                  "|---|---|---|---|---|---|"]
+        for name, row in converted.items():
+            if "conversion_error" in row:
+                lines.append(f"| {name} | {row['format']} | not converted: {row['conversion_error']} | - | - | - |")
+                continue
+            forced = f"{row['argmax_differences']} / {row['forced_positions']}" if "forced_positions" in row else "-"
+            largest = f"{row['max_abs_logit_diff']:.3f}" if "max_abs_logit_diff" in row else "-"
+            lines.append(f"| {name} | {row['format']} | {row['identical_sequences']}/{row['sequences']} | {forced} | "
+                         f"{largest} | {'yes' if row['nan_logits'] else 'no'} |")
     return "\n".join(lines)
 
 
