@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from moeify.cli import (
     recover_cmd,
     report_cmd,
 )
+from moeify.interrupt import interruptible
 from moeify.version import __version__
 
 # the model families of ``arch.families.FAMILIES`` as users name them (a test keeps the two together); written
@@ -42,10 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
-
-
-def _terminate(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the run as Ctrl-C does: cleanly, with the resume hint
 
 
 def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
@@ -78,9 +74,9 @@ def _resume_hint(args: argparse.Namespace, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return args.run(args)
+        with interruptible():
+            return args.run(args)
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -98,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moeify {args.command}: error: {error.strerror or error}{where}; nothing was written to the output: "
               "free the space or fix the permission and run again", file=sys.stderr)
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

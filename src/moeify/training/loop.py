@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from moeify.interrupt import raise_if_interrupted
 from moeify.offload.allocator import fix_mmap_threshold
 from moeify.runtime.moe import drop_inference_copies
 from moeify.training import distributed
@@ -289,6 +290,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
             bar = tqdm(range(start, plan.steps), initial=start, total=plan.steps, desc=desc,
                        disable=not progress or not is_main())
             for step in bar:
+                raise_if_interrupted()  # a signal whose KeyboardInterrupt a finaliser swallowed
                 if plan.epoch_samples:
                     batch = windows[step * plan.batch_size:(step + 1) * plan.batch_size]
                 else:
