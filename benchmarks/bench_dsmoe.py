@@ -56,7 +56,8 @@ def run(options: dict[str, str], held_out: Path, seed: int) -> dict:
         "dense_ppl": record["metrics"]["dense_ppl"], "ppl": record["metrics"]["ppl"],
         "mlp_ratio": record["active"]["mlp_ratio"], "apr": record["active"]["apr"],
         "experts_per_layer": analysis["activated_experts"]["per_file"],
-        "table4": [{k: row[k] for k in ("tau", "ppl", "apr", "mlp_ratio")} for row in analysis["tau_sweep"]],
+        "table4": [{k: row[k] for k in ("tau", "ppl", "model_ratio", "apr", "mlp_ratio")}
+                   for row in analysis["tau_sweep"]],
         "sweep_monotone": all(a >= b for a, b in zip(ratios, ratios[1:])),
         "fine_sweep": [{k: row[k] for k in ("tau", "ppl", "mlp_ratio")} for row in fine],
     }

@@ -233,9 +233,24 @@ def atomic_file(path: Path) -> Iterator[Path]:
         raise
 
 
+_WEIGHT = re.compile(r"(.+):(\d+(?:\.\d*)?|\.\d+)")
+
+
+def split_weight(spec: str | Path) -> tuple[str, float | None]:
+    """A data input as given and its ``:weight`` suffix (``A.txt:2`` -> ``("A.txt", 2.0)``), or None where it has
+    none. A file whose own name ends that way is read as named."""
+    text = str(spec)
+    match = _WEIGHT.fullmatch(text)
+    if match is None or Path(text).exists():
+        return text, None
+    return match.group(1), float(match.group(2))
+
+
 def _inputs(inputs: Iterable[str | Path | None]) -> list[Path]:
-    """The inputs that are local paths (hub names and ``embedded:`` names have none), resolved."""
-    return [Path(item).resolve() for item in inputs if item is not None and Path(item).exists()]
+    """The inputs that are local paths (hub names and ``embedded:`` names have none; a data file's ``:weight``
+    dropped), resolved."""
+    paths = [Path(split_weight(item)[0]) for item in inputs if item is not None]
+    return [path.resolve() for path in paths if path.exists()]
 
 
 def check_not_an_input(out: Path, inputs: Iterable[str | Path | None], flag: str = "--out") -> None:

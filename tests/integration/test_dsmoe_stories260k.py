@@ -36,10 +36,11 @@ def test_default_training_sparsifies_and_the_tau_sweep_is_monotone(trained):
     assert training["steps"] == 200 and record["details"]["train_seq_len"] == 256
     sweep = {row["tau"]: row for row in record["details"]["analysis"]["tau_sweep"]}
     assert sorted(sweep) == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]  # Appendix A, Table 4
-    for key in ("apr", "mlp_ratio"):  # a higher threshold never activates more
+    for key in ("model_ratio", "apr", "mlp_ratio"):  # a higher threshold never activates more
         ratios = [sweep[tau][key] for tau in sorted(sweep)]
         assert all(a >= b for a, b in zip(ratios, ratios[1:])) and ratios[0] > ratios[-1], (key, ratios)
     assert sweep[0.5]["apr"] == pytest.approx(record["active"]["apr"])
+    assert sweep[0.5]["model_ratio"] == pytest.approx(record["paper_ratio"]["value"]) > record["active"]["apr"]
     assert 0.5 < record["active"]["apr"] < 1 and 0 < record["active"]["mlp_ratio"] < 1  # tau = 0.5 drops experts
     assert record["metrics"]["dense_ppl"] < record["metrics"]["ppl"] < 2 * record["metrics"]["dense_ppl"]
     assert record["metrics"]["eval_tokens"] > 40_000

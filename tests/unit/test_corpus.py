@@ -12,6 +12,7 @@ import moeify
 from moeify.calibration import corpus
 from moeify.calibration.corpus import FileCorpus, read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, DataError, TextSource, calibration_batches, token_stream
+from moeify.files import OutputExistsError, check_not_an_input
 from moeify.training.loop import random_windows
 
 
@@ -101,3 +102,40 @@ def test_bad_corpora_are_refused_with_the_file_named(tmp_path, streamed, tokeniz
         token_stream(read_corpus(tmp_path / "latin.txt"), tokenizer)
     assert not list((tmp_path / "cache" / "tokens").glob("*"))  # nothing half-written is left
 
+
+
+def test_weighted_inputs_are_mixed_in_their_ratio(tmp_path, tokenizer, monkeypatch):
+    """``A:1 B:3``: the stream holds A and B tokens 1:3, as long as the scarcer one allows without repeating
+    text, the larger one sampled in evenly spaced blocks over its whole length."""
+    monkeypatch.setattr(corpus, "MIX_BLOCK", 64)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(" ".join(f"apple{i % 7}" for i in range(400)))
+    b.write_text(" ".join(f"bird {i}" for i in range(3000)))  # no two blocks alike
+    mixed = read_corpus([f"{a}:1", f"{b}:3"])
+    assert mixed.name == "a.txt:1+b.txt:3" and mixed.sha256 != read_corpus([f"{a}:1", f"{b}:2"]).sha256
+    whole_a, whole_b = token_stream(read_corpus(a), tokenizer), token_stream(read_corpus(b), tokenizer)
+    tokens = token_stream(mixed, tokenizer)
+    assert tokens.dtype == torch.int32 and len(whole_b) > 3 * len(whole_a)  # B is cut down to its share
+    assert torch.equal(tokens[:len(whole_a)], whole_a.int())  # the scarce input gives all its tokens
+    part_b = tokens[len(whole_a):]
+    assert len(part_b) == 3 * len(whole_a)
+    blocks = {tuple(whole_b[s:s + 64].tolist()): s for s in range(0, len(whole_b) - 63, 64)}
+    taken = [blocks[tuple(part_b[i:i + 64].tolist())] for i in range(0, len(part_b) - 63, 64)]
+    assert taken == sorted(taken) and taken[0] == 0  # B's own blocks, in order, from its start ...
+    assert taken[-1] >= len(whole_b) * (1 - 1.5 / len(taken))  # ... evenly spread to its end
+    windows = calibration_batches(mixed, tokenizer, 8, 16, seed=0)
+    assert windows.dtype == torch.long and windows.shape == (8, 16)
+    assert read_corpus([f"{a}:1", str(b)]).parts[1][1] == 1.0  # no weight: 1
+
+
+def test_a_weight_must_be_positive_and_a_file_named_like_a_weight_is_read_as_named(tmp_path, calib_text):
+    a = tmp_path / "a.txt"
+    a.write_text(calib_text.text)
+    with pytest.raises(DataError, match=r"data weight of '.*a\.txt:0' must be > 0"):
+        read_corpus([f"{a}:0"])
+    with pytest.raises(OutputExistsError, match="which this command reads"):  # the weight does not hide the file
+        check_not_an_input(tmp_path, [f"{a}:2"])
+    odd = tmp_path / "data:2"  # a folder whose name ends like a weight
+    odd.mkdir()
+    (odd / "a.txt").write_text(calib_text.text)
+    assert read_corpus(odd) == TextSource("a.txt", calib_text.text)

@@ -5,7 +5,9 @@ import pytest
 from moeify.methods import METHODS
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
-from moeify.moe.accounting import PAPER_RATIOS, activated_parameters, paper_ratio
+from moeify.methods.more import MoreConfig
+from moeify.methods.more.convert import convert as convert_more
+from moeify.moe.accounting import PAPER_RATIOS, activated_parameters, moe_layers, paper_ratio
 from moeify.options import build_config
 from tests.helpers.conversion import clone
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
@@ -30,5 +32,20 @@ def test_each_definition_counts_what_its_paper_counts(make_ctx):
 
 def test_every_method_names_a_known_definition():
     assert {m.name: m.paper_ratio for m in METHODS if m.paper_ratio != "apr"} == {
-        "cmoe": "ffn", "random_split": "ffn", "dsmoe": "model", "dense2moe": "model"}
+        "cmoe": "ffn", "random_split": "ffn", "more": "uniform", "dsmoe": "model", "dense2moe": "model"}
     assert all(m.paper_ratio in PAPER_RATIOS for m in METHODS)
+
+
+def test_uniform_routing_ignores_the_routing_seen_on_data(make_ctx):
+    """MoRE's Eq. 16 counts the experts as chosen equally often: routing every token to the smallest petal
+    lowers the measured APR but not the uniform ratio, which is MoRE's own pruning rate's complement."""
+    model = clone(tiny_model("llama", **STORIES_VOCAB))
+    details = convert_more(make_ctx(model), build_config(MoreConfig, {"calib_samples": 8, "seq_len": 64})).details
+    for layer in moe_layers(model):
+        layer.stats_tokens = 10
+        layer.stats_expert_tokens.zero_()
+        layer.stats_expert_tokens[layer.expert_widths.index(min(layer.expert_widths))] = 10
+    measured = activated_parameters(model, measured=True)
+    uniform = paper_ratio(model, measured, "uniform")
+    assert uniform["value"] == pytest.approx(1 - details["pruning_rate_uniform"])
+    assert measured.apr < uniform["value"] - 1e-3 and uniform["label"] == "attention + MLP, uniform routing"

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from moeify.api.recover import recovery_identity, run_recovery
 from moeify.api.result import ConversionResult, memory_record, quality_metrics
 from moeify.arch import family_for
-from moeify.calibration.corpus import FileCorpus, read_corpus
+from moeify.calibration.corpus import Corpus, read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, check_enough_text, read_text
 from moeify.dtypes import dtype_name
 from moeify.evaluation.perplexity import Perplexity, perplexity
@@ -72,7 +72,7 @@ class _Request:
     config: Any
     recovery: RecoveryOptions
     model_config: PreTrainedConfig
-    calib: TextSource | FileCorpus
+    calib: Corpus
     evals: list[TextSource]
     seq_len: int
     layer_by_layer: bool

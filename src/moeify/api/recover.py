@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeify.api.result import ConversionResult, memory_record, quality_metrics
-from moeify.calibration.corpus import FileCorpus, read_corpus
+from moeify.calibration.corpus import Corpus, read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text, token_stream
 from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import read_conversion_record
@@ -38,7 +38,7 @@ def recovery_identity(teacher: str | Path | None) -> dict[str, Any]:
     return {"teacher": str(teacher or EMBEDDED_MODEL)}
 
 
-def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedModel, calib: TextSource | FileCorpus,
+def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedModel, calib: Corpus,
                  options: RecoveryOptions, *, identity: dict[str, Any], eval_source: TextSource, seq_len: int,
                  seed: int, device: str, work_dir: Path | None, cache_dir: Path | None = None,
                  milestones: tuple[int, ...] = (), progress: bool = False) -> tuple[PreTrainedModel, dict[str, Any]]:
@@ -64,7 +64,7 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
                    "calib": {"name": calib.name, "sha256": calib.sha256}}
 
 
-def prepare_teacher_cache(teacher: PreTrainedModel, tokenizer: Any, calib: TextSource | FileCorpus,
+def prepare_teacher_cache(teacher: PreTrainedModel, tokenizer: Any, calib: Corpus,
                           options: RecoveryOptions, *, identity: dict[str, Any], seed: int, cache_dir: Path,
                           device: str, progress: bool = False) -> Path:
     """Build, before any recovery runs, the top-k teacher cache that ``run_recovery`` with these arguments

@@ -10,6 +10,9 @@ so the same corpus is tokenised once whatever runs it. Training and calibration 
 from that file through a memory map: a run over a billion tokens holds the windows it uses, not its text.
 Pieces are tokenised apart (no BOS after the first), so tokens at a piece's edge may differ from a
 whole-text tokenisation; the text itself is the same.
+
+Inputs given with weights (``A.txt:1 B.jsonl:1``) form a ``MixedCorpus``: a token stream in which each
+input holds its weight's share, so windows drawn anywhere in it come from the inputs in that ratio.
 """
 
 from __future__ import annotations
@@ -37,13 +40,16 @@ from moeify.calibration.data import (
     bos_first,
     json_docs,
     read_text,
+    token_stream,
 )
+from moeify.files import split_weight
 
 IN_MEMORY_BYTES = 64 * 2**20  # corpora up to this size are read whole (TextSource)
 PIECE_CHARS = 2**20           # how much plain text is tokenised at once
 CORPUS_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".json", ".parquet")
 TOKEN_DTYPE = np.int32
 TOKENS_FORMAT = 1             # bump when the tokenisation of pieces changes
+MIX_BLOCK = 16384             # tokens a mixed input contributes at a time (several windows of any seq_len)
 
 
 def corpus_files(paths: str | Path | list[str | Path]) -> list[Path]:
@@ -67,9 +73,17 @@ def corpus_files(paths: str | Path | list[str | Path]) -> list[Path]:
     return files
 
 
-def read_corpus(paths: str | Path | list[str | Path]) -> TextSource | FileCorpus:
+def read_corpus(paths: str | Path | list[str | Path]) -> Corpus:
     """Calibration/training text from a file, a folder or a list: whole in memory when small (an
-    ``embedded:`` name included), else streamed from the files (see the module docstring)."""
+    ``embedded:`` name included), else streamed from the files (see the module docstring); inputs with a
+    ``:weight`` suffix are mixed in that ratio (an input without one weighs 1)."""
+    specs = paths if isinstance(paths, list) else [paths]
+    weighted = [split_weight(spec) for spec in specs]
+    if any(weight is not None for _, weight in weighted):
+        for spec, (_, weight) in zip(specs, weighted):
+            if weight is not None and weight <= 0:
+                raise DataError(f"data weight of {str(spec)!r} must be > 0")
+        return MixedCorpus(tuple((read_corpus(path), 1.0 if weight is None else weight) for path, weight in weighted))
     if not isinstance(paths, list) and str(paths).startswith("embedded:"):
         return read_text(paths)
     files = corpus_files(paths)
@@ -136,6 +150,58 @@ class FileCorpus:
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class MixedCorpus:
+    """Texts mixed by weight: the token stream holds each part's weight's share of its tokens.
+
+    The stream is as long as the scarcest part allows (the one with the fewest tokens per unit of weight
+    gives all of them), so no text is repeated; every other part gives its share as evenly spaced blocks of
+    ``MIX_BLOCK`` tokens, sampled over its whole length rather than its start. Parts follow one another in
+    the order given, so a window may straddle two of them at a border, as it may straddle two documents."""
+
+    parts: tuple[tuple[TextSource | FileCorpus, float], ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(f"{source.name}:{weight:g}" for source, weight in self.parts)
+
+    @cached_property
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for source, weight in self.parts:
+            digest.update(f"{source.sha256}:{weight!r}\n".encode())
+        return digest.hexdigest()
+
+    def tokens(self, tokenizer: Any) -> Tensor:
+        """The mixed stream (int32, as a ``FileCorpus`` gives): (n_tokens,)."""
+        streams = [token_stream(source, tokenizer) for source, _ in self.parts]
+        total = sum(weight for _, weight in self.parts)
+        shares = [weight / total for _, weight in self.parts]
+        length = min(len(stream) / share for stream, share in zip(streams, shares))
+        return torch.cat([_spread_blocks(stream, round(length * share)).to(torch.int32)
+                          for stream, share in zip(streams, shares)])
+
+
+def _spread_blocks(stream: Tensor, count: int) -> Tensor:
+    """``count`` tokens of ``stream`` as blocks of ``MIX_BLOCK`` spread evenly over it (the whole stream when
+    it has no more)."""
+    if count >= len(stream):
+        return stream
+    blocks, rest = divmod(count, MIX_BLOCK)
+    available = len(stream) // MIX_BLOCK
+    if blocks == 0 or available == 0:
+        return stream[:count]
+    starts = [j * available // blocks * MIX_BLOCK for j in range(blocks)]
+    pieces = [stream[s:s + MIX_BLOCK] for s in starts]
+    if rest:
+        after = starts[-1] + MIX_BLOCK
+        pieces.append(stream[after:after + rest] if after + rest <= len(stream) else stream[-rest:])
+    return torch.cat(pieces)
+
+
+Corpus = TextSource | FileCorpus | MixedCorpus  # what calibration and training read
 
 
 def cache_dir() -> Path:

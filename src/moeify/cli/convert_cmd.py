@@ -28,9 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")
     parser.add_argument("--calib", action="append", default=None,
                         help="calibration/training text: a .txt/.jsonl/.json/.parquet file or a folder of them; "
-                             "repeatable (the texts joined); more than 64 MiB is tokenised once into a cached, "
-                             "memory-mapped token file and streamed (default: embedded TinyStories calibration "
-                             "slice)")
+                             "repeatable (the texts joined); PATH:WEIGHT mixes the inputs in that ratio "
+                             "(--calib a.txt:1 --calib b.jsonl:2: a third of the tokens from a.txt; no weight: 1); "
+                             "more than 64 MiB is tokenised once into a cached, memory-mapped token file and "
+                             "streamed (default: embedded TinyStories calibration slice)")
     parser.add_argument("--eval", action="append", default=None,
                         help="held-out evaluation text (default: embedded TinyStories evaluation slice, disjoint "
                              "from --calib); repeatable: the metrics use the first, a method's analysis all "
@@ -106,7 +107,8 @@ def summary_rows(rec: dict) -> list[tuple[str, str]]:
              ("eval tokens", str(rec["metrics"]["eval_tokens"])),
              ("activated MLP ratio", f"{rec['active']['mlp_ratio']:.3f}"),
              ("activated param ratio (APR)", f"{rec['active']['apr']:.3f}"),
-             (f"as the paper counts it ({rec['paper_ratio']['kind']})", f"{rec['paper_ratio']['value']:.3f}"),
+             (f"as the paper counts it ({rec['paper_ratio'].get('label', rec['paper_ratio']['kind'])})",
+              f"{rec['paper_ratio']['value']:.3f}"),
              ("active / total params", f"{rec['active']['active_params']:,.0f} / {rec['active']['total_params']:,}"),
              ("conversion time", f"{rec['timings']['convert_s']:.1f} s")]
     if recovery is not None:

@@ -33,7 +33,7 @@ def _measured(record: dict[str, Any]) -> list[tuple[str, str]]:
                  ("active / total parameters", f"{active['active_params']:,.0f} / {active['total_params']:,}")]
     if "paper_ratio" in record:
         ratio = record["paper_ratio"]
-        rows.append((f"as the paper counts it ({ratio['kind']})", f"{ratio['value']:.3f}"))
+        rows.append((f"as the paper counts it ({ratio.get('label', ratio['kind'])})", f"{ratio['value']:.3f}"))
     if record.get("speed"):
         speed = record["speed"]
         rows.append(("speed against dense", f"{speed['speedup']:.2f}x ({speed['batch_size']} x {speed['seq_len']} "

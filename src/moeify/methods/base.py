@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
 
     from moeify.arch import DecoderAdapter
-    from moeify.calibration.corpus import FileCorpus
+    from moeify.calibration.corpus import Corpus
     from moeify.calibration.data import TextSource
     from moeify.planning import MethodMemory, ModelShape
     from moeify.training.loop import Checkpointing
@@ -45,7 +45,7 @@ class ConversionContext:
 
     model: PreTrainedModel
     tokenizer: Any
-    calib: TextSource | FileCorpus
+    calib: Corpus
     seed: int
     device: torch.device
     progress: bool = True

@@ -175,22 +175,31 @@ def _standard_moe_parameters(model: nn.Module) -> ActiveParams:
                         per_layer_mlp_ratio=[c[1] / c[3] for c in counts], measured=False)
 
 
+# kind -> (the label printed beside the value, the definition recorded with it)
 PAPER_RATIOS = {
-    "ffn": "activated FFN parameters / FFN parameters (CMoE counts the converted FFN only)",
-    "apr": "activated attention + MLP projection parameters / all of them (MoRE Eq. 16; ToMoE)",
-    "model": "activated parameters / all parameters, embeddings, norms and LM head included (DSMoE, Dense2MoE)",
+    "ffn": ("FFN only", "activated FFN parameters / FFN parameters (CMoE counts the converted FFN only)"),
+    "apr": ("attention + MLP, routing measured",
+            "activated attention + MLP projection parameters / all of them, on the evaluation tokens (ToMoE)"),
+    "uniform": ("attention + MLP, uniform routing",
+                ("activated attention + MLP projection parameters / all of them, every expert chosen equally "
+                 "often (MoRE Eq. 16, App. F.2)")),
+    "model": ("whole model", ("activated parameters / all parameters, embeddings, norms and LM head included "
+                              "(DSMoE, Dense2MoE)")),
 }
 
 
 def paper_ratio(model: nn.Module, active: ActiveParams, kind: str) -> dict[str, Any]:
     """The activated ratio as a method's own paper defines it (``PAPER_RATIOS``), from ``active``. For
-    ``model``, the parameters outside the attention and MLP modules (embeddings, norms, LM head; a tied
-    head once) count as always active, in numerator and denominator; a removed layer's norms are not
-    counted (a few thousand parameters)."""
+    ``uniform``, the routers' nominal expert counts over experts of mean width (``measured=False``), whatever
+    the routing on data was. For ``model``, the parameters outside the attention and MLP modules (embeddings,
+    norms, LM head; a tied head once) count as always active, in numerator and denominator; a removed layer's
+    norms are not counted (a few thousand parameters)."""
     if kind == "ffn":
         value = active.mlp_ratio
     elif kind == "apr":
         value = active.apr
+    elif kind == "uniform":
+        value = activated_parameters(model, measured=False).apr
     elif kind == "model":
         adapter = DecoderAdapter(model)
         inner = {id(p) for i in range(adapter.num_layers)
@@ -199,7 +208,8 @@ def paper_ratio(model: nn.Module, active: ActiveParams, kind: str) -> dict[str, 
         value = (active.active_params + other) / (active.total_params + other)
     else:
         raise ValueError(f"paper ratio {kind!r} is unknown; known: {', '.join(PAPER_RATIOS)}")
-    return {"kind": kind, "definition": PAPER_RATIOS[kind], "value": value}
+    label, definition = PAPER_RATIOS[kind]
+    return {"kind": kind, "label": label, "definition": definition, "value": value}
 
 
 def nominal_activated_parameters(model: nn.Module) -> ActiveParams | None:

@@ -1,8 +1,10 @@
 """DSMoE's analyses of a converted model on held-out text, written into the record (``details.analysis``).
 
-- Appendix A, Table 4: perplexity and activated-parameter ratio for tau in 0.2, 0.3, ..., 0.8 (and the
-  model's own tau) on each evaluation file. Raising tau can only switch gates off (the active set at
-  tau' > tau is a subset), so the activated ratio never grows with tau.
+- Appendix A, Table 4: perplexity and activated ratio for tau in 0.2, 0.3, ..., 0.8 (and the model's own
+  tau) on each evaluation file. Table 4 counts the whole model (embeddings, norms and LM head always
+  active: ``model_ratio``, ``moe.accounting.paper_ratio``); the rows also carry MoRE's APR and the MLP
+  ratio, which every method's record has. Raising tau can only switch gates off (the active set at
+  tau' > tau is a subset), so no ratio grows with tau.
 - §6.3, Fig. 3: the mean number of activated experts per token in each layer on each evaluation file
   at the model's tau, as a heatmap PNG (files x layers) beside the model.
 
@@ -19,7 +21,7 @@ from moeify.calibration.data import TextSource
 from moeify.evaluation.perplexity import perplexity
 from moeify.methods.base import Analysis, ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig
-from moeify.moe.accounting import activated_parameters, moe_layers, tracking_routing
+from moeify.moe.accounting import activated_parameters, moe_layers, paper_ratio, tracking_routing
 
 TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # Appendix A, Table 4
 HEATMAP = "dsmoe_activated_experts.png"
@@ -31,12 +33,14 @@ def set_tau_(model: nn.Module, tau: float) -> None:
 
 
 def measure(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: int) -> dict[str, Any]:
-    """Perplexity, measured activated ratios and mean activated experts per token in each layer."""
+    """Perplexity, the measured activated ratios (Table 4's whole-model one, APR, MLP) and the mean activated
+    experts per token in each layer."""
     with tracking_routing(model) as layers:
         ppl = perplexity(model, tokenizer, source, seq_len)
     active = activated_parameters(model, measured=True)
     per_layer = [float(layer.stats_expert_tokens.sum()) / layer.stats_tokens for layer in layers]
-    return {"ppl": ppl.ppl, "apr": active.apr, "mlp_ratio": active.mlp_ratio, "experts_per_layer": per_layer}
+    return {"ppl": ppl.ppl, "model_ratio": paper_ratio(model, active, "model")["value"], "apr": active.apr,
+            "mlp_ratio": active.mlp_ratio, "experts_per_layer": per_layer}
 
 
 def tau_sweep(model: nn.Module, tokenizer: Any, sources: list[TextSource], seq_len: int,

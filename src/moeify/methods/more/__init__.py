@@ -51,6 +51,7 @@ MORE = Method(
     config_cls=MoreConfig,
     convert=Deferred("moeify.methods.more.convert", "convert"),
     match_budget=match_budget,
+    paper_ratio="uniform",
     partitions_mlp=True,
     memory=Deferred("moeify.methods.more.memory", "memory"),
     layer_by_layer=True,
