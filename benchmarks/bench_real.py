@@ -66,8 +66,16 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "static_prune_apr0.8": ("static_prune", {"apr": 0.8}),
     "teal_apr0.8": ("teal", {"apr": 0.8}),
     "cmoe_apr0.8": ("cmoe", {"apr": 0.8}),
+    "random_split_apr0.8": ("random_split", {"apr": 0.8}),
+    "tomoe_apr0.8": ("tomoe", {"active_ratio": 0.8, "steps": 40, "checkpoint_every": 0}),
     # APR 0.5: ToMoE's setting
     "tomoe_apr0.5": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0}),
+    # ... and its ablations (Table 13: w/o VO routing, Local Emb; Fig. 6c: the LM loss in place of KD)
+    "tomoe_apr0.5_no_vo_routing": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0,
+                                             "vo_routing": False}),
+    "tomoe_apr0.5_local_emb": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0,
+                                         "embeddings": "local"}),
+    "tomoe_apr0.5_lm": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0, "objective": "lm"}),
     "static_prune": ("static_prune", {}),
     "teal": ("teal", {}),
     "cmoe_apr0.5": ("cmoe", {"apr": 0.5}),
@@ -75,8 +83,10 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "random_split_apr0.5": ("random_split", {"apr": 0.5}),
     # the training methods at a CPU budget, at their papers' learning rates, with their ablations
     "dsmoe": ("dsmoe", {"steps": 20, "lr": 2e-5, "checkpoint_every": 0}),
+    # ... with the paper's one learning rate for the gates too
+    "dsmoe_one_lr": ("dsmoe", {"steps": 20, "lr": 2e-5, "gate_lr": 2e-5, "checkpoint_every": 0}),
     "dsmoe_no_ste": ("dsmoe", {"steps": 20, "lr": 2e-5, "variant": "no_ste", "checkpoint_every": 0}),
-    "dsmoe_defaults": ("dsmoe", {}),  # the paper's: 200 steps of 8 x 256 tokens at lr 2e-4, gates at 1e-2
+    "dsmoe_defaults": ("dsmoe", {}),  # moeify's: 200 steps of 8 x 256 tokens at lr 2e-4, gates at 1e-2
     "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
     "dense2moe_upcycle_weighting": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
                                                   "router_weighting": "upcycle"}),

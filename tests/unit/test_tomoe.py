@@ -192,3 +192,51 @@ def test_the_budget_correction_narrows_attention_and_mlp_together(make_ctx):
     assert any(m.active_params() < m.dense_params for m in attention)
     counted = activated_parameters(ctx.model, measured=False)
     assert counted.apr == pytest.approx(0.5, abs=0.02) and counted.mlp_ratio > 0.3
+
+
+def test_without_vo_routing_the_attention_is_pruned_statically_and_meets_the_budget(make_ctx, tokenizer, tmp_path):
+    """Table 13's "w/o VO routing": one V/O mask per layer, learned as s_0 is; the converted attention has
+    narrower V/O projections and no router, and the budget is met as with routing."""
+    dense, ctx, details = converted("llama", make_ctx, attention="on", active_ratio=0.6, vo_routing=False)
+    pruned = [m for m in ctx.model.modules() if isinstance(m, PrunedAttention)]
+    assert len(pruned) == 2 and all(m.router is None and m.spec()["vo_index"] is not None for m in pruned)
+    assert all("vo_dims" in layer and "vo_top_k" not in layer for layer in details["layers"])
+    assert [len(m.spec()["vo_index"]) for m in pruned] == [layer["vo_dims"] for layer in details["layers"]]
+    counted = activated_parameters(ctx.model, measured=False)
+    assert counted.apr <= 0.6 and counted.apr == pytest.approx(0.6, abs=0.02)
+    fresh = make_ctx(clone(dense))
+    layer_modules = TomoeModules(fresh, TomoeConfig(**{**FAST, "attention": "on", "vo_routing": False})).layers
+    assert not any(hasattr(m, "proj_e") for m in layer_modules)  # nothing reads the token for V/O
+    out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "tomoe"}), tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(moeify.load(out)(IDS).logits, ctx.model(IDS).logits, atol=1e-5, rtol=0)
+
+
+def test_local_embeddings_make_the_attention_masks_from_each_layers_own_vector(make_ctx):
+    """Table 13's "Local Emb": the hypernetwork's expert embeddings serve the MLPs only; each attention's
+    masks come from a vector of its own, which training changes."""
+    ctx = make_ctx(clone(tiny_model("llama", **STORIES_VOCAB)))
+    cfg = TomoeConfig(**{**FAST, "attention": "on", "embeddings": "local"})
+    with torch.random.fork_rng():
+        torch.manual_seed(ctx.seed)  # as learned_masks seeds Theta: the vectors training starts from
+        start = TomoeModules(ctx, cfg).layers
+    assert TomoeModules(ctx, TomoeConfig(**FAST)).layers[0].local_embedding is None  # global: the paper's
+    with learned_masks(ctx, cfg, cfg.seq_len) as (theta, masked, _):
+        experts = theta.hypernet()
+        for layer, initial in zip(theta.layers, start):
+            assert torch.equal(layer.attention_embedding(experts[0]), layer.local_embedding)
+            assert not torch.equal(layer.local_embedding, initial.local_embedding)
+        masked.set_embeddings(experts)
+        assert all(m.embedding is layer.local_embedding for m, layer in zip(masked.attention, theta.layers))
+
+
+def test_the_lm_objective_trains_on_next_tokens_without_the_teacher_pass(make_ctx, monkeypatch):
+    """Fig. 6c's ablation: cross-entropy on the training text in place of the distillation KL; the dense
+    teacher pass is skipped."""
+    import moeify.methods.tomoe.train as tomoe_train
+
+    calls = []
+    monkeypatch.setattr(tomoe_train, "distillation_kl", lambda *a: calls.append(1))
+    _, ctx, details = converted("llama", make_ctx, attention="on", objective="lm")
+    assert not calls and set(details["training"]["curves"]) == {"lm", "r_p", "r_u", "r_l", "ratio"}
+    assert all(loss > 0 for loss in details["training"]["curves"]["lm"])

@@ -33,6 +33,15 @@ class TomoeConfig(MethodOptions):
     mask_noise: Literal["gumbel", "logistic"] = option(
         "gumbel", "noise g of the neuron masks (Eq. 15): one Gumbel(0, 1) sample (the paper), or logistic "
                   "(median 0, but drops ~5 % of every mask from the first step)")
+    objective: Literal["kd", "lm"] = option(
+        "kd", "the loss's first term: kd, KL(dense || masked) by in-place distillation (the paper); lm, next-token "
+              "cross-entropy on the training text (Fig. 6c's ablation)")
+    vo_routing: bool = option(True, "V/O head dimensions chosen per token (Eq. 4-5); false: one static V/O mask per "
+                                    "layer, learned as Q/K's (Table 13's 'w/o VO routing')")
+    embeddings: Literal["global", "local"] = option(
+        "global", "what the attention masks are made from: global, the hypernetwork's expert embeddings (Eq. 1, the "
+                  "paper); local, a learned vector of each attention's own, the expert embeddings then serve the "
+                  "MLPs only (Table 13's 'Local Emb')")
     alpha: float = option(16.0, "weight of R_P, the parameter regulariser (Eq. 8)", low=0.0)
     beta: float = option(2.0, "weight of R_U, the union-of-experts regulariser (Eq. 7)", low=0.0)
     gamma: float = option(1.0, "weight of R_L, the load-balancing loss (Eq. 9)", low=0.0)

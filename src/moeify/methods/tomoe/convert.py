@@ -75,8 +75,9 @@ def convert(ctx: ConversionContext, cfg: TomoeConfig) -> Conversion:
     held = held_in_float32(ctx.model) if cfg.frozen_weights == "float32" else nullcontext()
     with held, learned_masks(ctx, cfg, seq_len) as (theta, masked, log):
         structure = convert_(ctx, theta, masked, cfg, seq_len)
-    curves = {name: log["curves"][key] for name, key in (("KD loss", "kd"), ("R_P", "r_p"), ("R_U", "r_u"),
-                                                          ("R_L", "r_l"), ("T / T_total", "ratio"))}
+    task = ("KD loss", "kd") if cfg.objective == "kd" else ("LM loss", "lm")
+    curves = {name: log["curves"][key] for name, key in (task, ("R_P", "r_p"), ("R_U", "r_u"), ("R_L", "r_l"),
+                                                         ("T / T_total", "ratio"))}
     details = {**structure, "attention": cfg.attention, "attention_blocked": blocker, "train_seq_len": seq_len,
                "training": log, "curves_png": CURVES_PNG}
     png = training_curves(curves, title=f"ToMoE training (p = {cfg.active_ratio})")
@@ -119,18 +120,28 @@ def budget_threshold(cost: Callable[[float], float], logits: list[Tensor], budge
     return high
 
 
+def _kept(logits: Tensor, theta: float) -> Tensor:
+    """The indices whose logit passes ``theta``; the largest one where none does (a mask keeps something)."""
+    kept = (logits > theta).nonzero().flatten()
+    return kept if kept.numel() else logits.argmax().reshape(1)
+
+
 @dataclass(frozen=True)
 class AttentionLogits:
     """One layer's noise-free attention mask logits (b included): s_0's half head (head_dim / 2,) and s_t
-    of every calibration token (tokens, head_dim); ``geometry``: what ``pruned_projection_params`` needs."""
+    of every calibration token (tokens, head_dim), or the static V/O mask's (1, head_dim) without V/O
+    routing; ``geometry``: what ``pruned_projection_params`` needs."""
 
     qk_half: Tensor
     vo_tokens: Tensor
     geometry: tuple[int, int, int, bool, bool]  # hidden, heads, kv_heads, qkv bias, o bias
 
     def kept_pairs(self, theta: float) -> Tensor:
-        kept = (self.qk_half > theta).nonzero().flatten()
-        return kept if kept.numel() else self.qk_half.argmax().reshape(1)
+        return _kept(self.qk_half, theta)
+
+    def kept_vo(self, theta: float) -> Tensor:
+        """The static V/O mask's kept dimensions (``vo_routing=false``)."""
+        return _kept(self.vo_tokens[0], theta)
 
     def vo_top_k(self, theta: float) -> int:
         return max(1, round(float((self.vo_tokens > theta).sum(1).float().mean())))
@@ -158,7 +169,8 @@ def _attention_logits(ctx: ConversionContext, theta: TomoeModules, masked: Maske
         attn, proj = adapter.attention_module(i), adapter.attention_projections(i)
         heads, kv_heads = proj["q"].out_features // attn.head_dim, proj["k"].out_features // attn.head_dim
         geometry = (proj["q"].in_features, heads, kv_heads, proj["v"].bias is not None, proj["o"].bias is not None)
-        out.append(AttentionLogits(modules.proj_qk(embeddings[i].mean(dim=0)) + KEEP_BIAS, torch.cat(tokens[i]),
+        vo = torch.cat(tokens[i]) if cfg.vo_routing else tokens[i][0]  # a static mask: every pass's the same
+        out.append(AttentionLogits(modules.proj_qk(modules.attention_embedding(embeddings[i])) + KEEP_BIAS, vo,
                                    geometry))
     return out
 
@@ -186,8 +198,8 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
             theta_ = budget_threshold(mlps, all_logits, cfg.active_ratio * masked.total - dense_attention - output_biases)
         layers: list[dict[str, Any]] = [{} for _ in theta.layers]
         for i, (modules, logits) in enumerate(zip(theta.layers, attention)):
-            layers[i].update(_prune_attention_(adapter, i, modules, embeddings[i].mean(dim=0),
-                                               logits.kept_pairs(theta_), logits.vo_top_k(theta_)))
+            layers[i].update(_prune_attention_(adapter, i, modules, modules.attention_embedding(embeddings[i]),
+                                               logits, theta_))
         for i, (modules, weights, logits) in enumerate(zip(theta.layers, masked.weights, all_logits)):
             sets = widened_experts(logits, theta_)
             router = ArgmaxRouter(weights.hidden_size, cfg.num_experts)
@@ -203,16 +215,23 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
     return {"layers": layers, "mask_threshold": theta_}
 
 
-def _prune_attention_(adapter: Any, i: int, modules: Any, mean_embedding: Tensor, kept: Tensor,
-                      top_k: int) -> dict[str, int]:
-    """Layer i's attention with the Q/K pairs ``kept`` (s_0 over the first half of the head, Appendix A.2)
-    and the V/O top-``top_k`` router."""
+def _prune_attention_(adapter: Any, i: int, modules: Any, embedding: Tensor, logits: AttentionLogits,
+                      theta: float) -> dict[str, int]:
+    """Layer i's attention with the Q/K pairs kept at ``theta`` (s_0 over the first half of the head,
+    Appendix A.2) and the V/O top-K router, or the static V/O dimensions without V/O routing."""
     attn = adapter.attention_module(i)
+    qk_index = rope_pairs(logits.kept_pairs(theta), attn.head_dim)
+    sizes = {"qk_dims": len(qk_index), "head_dim": attn.head_dim}
+    if not modules.vo_routing:
+        vo_index = logits.kept_vo(theta)
+        adapter.replace_attention_(i, pruned_attention(adapter, i, qk_index, vo_index=vo_index))
+        return {**sizes, "vo_dims": len(vo_index)}
+    top_k = logits.vo_top_k(theta)
     hidden = adapter.attention_projections(i)["q"].in_features
-    router = HeadDimRouter(hidden, attn.head_dim, EMBED_DIM, top_k).to(mean_embedding)
+    router = HeadDimRouter(hidden, attn.head_dim, EMBED_DIM, top_k).to(embedding)
     router.proj_e.weight.copy_(modules.proj_e.weight)
-    router.proj_e.bias.copy_(modules.proj_e.bias + mean_embedding)  # (1/N) 1^T E as Proj_E's bias (§3.5)
+    router.proj_e.bias.copy_(modules.proj_e.bias + embedding)  # (1/N) 1^T E as Proj_E's bias (§3.5)
     router.norm.load_state_dict(modules.proj_vo[0].state_dict())
     router.proj_d.load_state_dict(modules.proj_vo[2].state_dict())
-    adapter.replace_attention_(i, pruned_attention(adapter, i, rope_pairs(kept, attn.head_dim), router=router))
-    return {"qk_dims": 2 * kept.numel(), "vo_top_k": top_k, "head_dim": attn.head_dim}
+    adapter.replace_attention_(i, pruned_attention(adapter, i, qk_index, router=router))
+    return {**sizes, "vo_top_k": top_k}

@@ -93,15 +93,26 @@ class HyperNetwork(nn.Module):
 class LayerModules(nn.Module):
     """Theta of one decoder layer (see the module docstring)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, head_dim: int | None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, head_dim: int | None,
+                 vo_routing: bool = True, local: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.proj_mlp = projection(intermediate_size)
         self.attention = head_dim is not None
+        self.vo_routing = vo_routing
+        self.local_embedding: nn.Parameter | None = None
         if self.attention:
-            self.proj_e = nn.Linear(hidden_size, EMBED_DIM)
+            if vo_routing:  # Proj_E of Eq. 5 reads the token
+                self.proj_e = nn.Linear(hidden_size, EMBED_DIM)
             self.proj_vo = projection(head_dim)
             self.proj_qk = projection(head_dim // 2)
+            if local:  # Table 13's "Local Emb": the attention's own embedding in place of (1/N) 1^T E
+                self.local_embedding = nn.Parameter(torch.randn(EMBED_DIM))
+
+    def attention_embedding(self, experts: Tensor) -> Tensor:
+        """What this layer's attention masks are made from: (1/N) 1^T E of the expert embeddings ``experts``
+        (N, d_e), or the layer's own learned vector (``embeddings=local``)."""
+        return experts.mean(dim=0) if self.local_embedding is None else self.local_embedding
 
 
 class MaskedMLP(nn.Module):
@@ -148,7 +159,7 @@ class AttentionMasks:
     def __init__(self, attn: nn.Module, projections: dict[str, nn.Linear], modules: LayerModules,
                  tau: float, mask_noise: str = "gumbel", layer: int = 0) -> None:
         self.modules_, self.tau, self.head_dim, self.layer = modules, tau, attn.head_dim, layer
-        self.mean_embedding: Tensor | None = None  # (1/N) 1^T E, set before every step
+        self.embedding: Tensor | None = None  # LayerModules.attention_embedding, set before every step
         self.enabled = True
         self.noise: str | None = mask_noise
         self.recording = False
@@ -171,14 +182,21 @@ class AttentionMasks:
             return
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         m = self.modules_
-        half = st_gumbel_sigmoid(m.proj_qk(self.mean_embedding), self.tau, self.noise, ("qk_mask", self.layer),
+        half = st_gumbel_sigmoid(m.proj_qk(self.embedding), self.tau, self.noise, ("qk_mask", self.layer),
                                  per_window=False)                                       # s_0: Eq. 5 at t = 0
         self._qk_masks = torch.cat([half, half])                                         # Appendix A.2
-        logits = m.proj_vo(m.proj_e(x.to(self.mean_embedding.dtype)) + self.mean_embedding)  # float32 modules
+        if m.vo_routing:
+            logits = m.proj_vo(m.proj_e(x.to(self.embedding.dtype)) + self.embedding)  # float32 modules
+            self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise, ("vo_mask", self.layer))  # s_t: Eq. 5
+            tokens_kept = self._token_masks.reshape(-1, self.head_dim)
+        else:  # one static V/O mask, as s_0 (Table 13's "w/o VO routing")
+            logits = m.proj_vo(self.embedding)
+            self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise, ("vo_mask", self.layer),
+                                                  per_window=False)
+            tokens_kept = self._token_masks.expand(x.shape[:-1].numel(), -1)  # every token's width
         self.token_logits = logits.detach()  # what the conversion thresholds
-        self._token_masks = st_gumbel_sigmoid(logits, self.tau, self.noise, ("vo_mask", self.layer))  # s_t: Eq. 5
         if self.recording:
-            self.qk_kept, self.tokens_kept = self._qk_masks, self._token_masks.reshape(-1, self.head_dim)
+            self.qk_kept, self.tokens_kept = self._qk_masks, tokens_kept
 
     def _forget(self, *_: object) -> None:
         """The pass's masks go with it (they hold its graph)."""

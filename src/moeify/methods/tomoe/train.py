@@ -38,7 +38,7 @@ from moeify.methods.tomoe.modules import (
 from moeify.moe.attention.head_dim import head_dim_costs
 from moeify.training.distributed import gathered
 from moeify.training.loop import TrainPlan, train
-from moeify.training.losses import distillation_kl, final_hidden_states
+from moeify.training.losses import distillation_kl, final_hidden_states, lm_loss
 
 
 def f_reg(x: Tensor, y: Tensor | float) -> Tensor:
@@ -56,7 +56,8 @@ class TomoeModules(nn.Module):
         self.hypernet = HyperNetwork(adapter.num_layers, cfg.num_experts, ctx.seed)
         self.layers = nn.ModuleList(
             LayerModules(adapter.mlp(i).hidden_size, adapter.mlp(i).intermediate_size, cfg.num_experts,
-                         adapter.attention_module(i).head_dim if cfg.attention == "on" else None)
+                         adapter.attention_module(i).head_dim if cfg.attention == "on" else None,
+                         vo_routing=cfg.vo_routing, local=cfg.embeddings == "local")
             for i in range(adapter.num_layers))
 
 
@@ -93,7 +94,7 @@ class MaskedModel:
         for i, mlp in enumerate(self.mlps):
             mlp.embeddings = embeddings[i]
         for i, masks in enumerate(self.attention):
-            masks.mean_embedding = embeddings[i].mean(dim=0)  # (1/N) 1^T E
+            masks.embedding = self.theta.layers[i].attention_embedding(embeddings[i])
 
     def set_enabled(self, on: bool) -> None:
         for part in (*self.mlps, *self.attention):
@@ -141,7 +142,8 @@ class MaskedModel:
         for i, masks in enumerate(self.attention):
             per_qk, per_vo, fixed = head_dim_costs(adapter, i)
             active.append(masks.qk_kept.sum() * per_qk + widths[i] / tokens * per_vo + fixed)
-            unions.append(f_reg((1 - kept[i]).mean(), 1.0))                            # Eq. 6-7
+            if self.cfg.vo_routing:  # a static V/O mask, like s_0, has no union to grow
+                unions.append(f_reg((1 - kept[i]).mean(), 1.0))                        # Eq. 6-7
         if not self.attention:
             active.append(torch.tensor(float(sum(adapter.attention_params(i) for i in range(adapter.num_layers)))))
         total_active = torch.stack(active).sum()
@@ -206,15 +208,19 @@ def _learn(ctx: ConversionContext, cfg: TomoeConfig, seq_len: int, theta: TomoeM
     def loss(_theta: nn.Module, batch: Tensor) -> dict[str, Tensor]:
         embeddings = theta.hypernet()
         masked.set_embeddings(embeddings)
-        with torch.no_grad():
-            masked.set_enabled(False)
-            teacher = final_hidden_states(ctx.model, batch)
-            masked.set_enabled(True)
+        if cfg.objective == "kd":
+            with torch.no_grad():
+                masked.set_enabled(False)
+                teacher = final_hidden_states(ctx.model, batch)
+                masked.set_enabled(True)
         with masked.recording():
-            kd = distillation_kl(ctx.model, teacher, final_hidden_states(ctx.model, batch))  # KL(teacher || student)
+            if cfg.objective == "kd":  # KL(teacher || student)
+                task = distillation_kl(ctx.model, teacher, final_hidden_states(ctx.model, batch))
+            else:
+                task = lm_loss(ctx.model, batch)["loss"]
             reg = masked.regularisers(embeddings)
-        total = kd + cfg.alpha * reg["r_p"] + cfg.beta * reg["r_u"] + cfg.gamma * reg["r_l"]  # Eq. 10
-        return {"loss": total, "kd": kd, **reg}
+        total = task + cfg.alpha * reg["r_p"] + cfg.beta * reg["r_u"] + cfg.gamma * reg["r_l"]  # Eq. 10
+        return {"loss": total, cfg.objective: task, **reg}
 
     plan = TrainPlan(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=seq_len, grad_accum=cfg.grad_accum,
                      checkpoint_every=cfg.checkpoint_every, recompute=cfg.recompute)
