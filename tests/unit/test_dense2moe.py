@@ -239,3 +239,18 @@ def test_paper_weighting_is_p_and_a_runtime_top_k_change_does_not_rescale():
     assert upcycle.expert_scale == 2.0 and upcycle.spec()["scale"] == 2.0  # fixed at build, saved
     rebuilt = SoftmaxTopKRouter(8, **{k: v for k, v in upcycle.spec().items() if k != "kind"})
     assert rebuilt.expert_scale == 2.0 and rebuilt.top_k == 1
+
+
+def test_the_free_search_takes_the_first_qualifying_span_of_any_length(make_ctx):
+    """§2.3 with n* free (``search``): one span, the first in S_L order of any length whose fused MLP inputs
+    are within delta; its length is the search's, not prune_layers'."""
+    ctx = make_ctx(five_layers("llama"))
+    details = convert(ctx, build_config(Dense2moeConfig, {**FAST, "search": True, "delta": 2.0})).details
+    [span] = details["selection"]
+    ranked = rank_spans(details["similarity"]["layer_output"], details["similarity"]["mlp_input"])
+    assert (span["layer"], span["n"]) == (ranked[0].layer, ranked[0].n)  # delta 2 admits every span
+    assert ctx.model.config.num_hidden_layers == 5 - span["n"]
+    with pytest.raises(OptionError, match="search=true chooses n\\* itself, in one span: leave prune_layers"):
+        build_config(Dense2moeConfig, {"search": True, "prune_layers": 2})
+    with pytest.raises(OptionError, match="search=true"):
+        build_config(Dense2moeConfig, {"search": True, "spans": 2})

@@ -14,6 +14,8 @@
    (sizes differing by at most one), each fused into its own kept layer: §4.1's "top-k redundant
    layers" need not be contiguous, while §2.3 describes one span. They are chosen greedily, largest
    first, each the first in S_L order that qualifies and shares no layer with those already chosen.
+   ``search`` is §2.3's search as written instead: n* free, one span, the first in S_L order of any
+   length that qualifies.
    delta = 0.3 (the paper gives no value) lets adjacent layers of stories260K qualify (their distances
    well below it) and spans of two (just below it).
 3. Pruning and Layer-Fusion Upcycling (Eq. 6): layers l*+1 .. l*+n* are removed entirely, not only their

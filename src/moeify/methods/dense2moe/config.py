@@ -28,6 +28,9 @@ class Dense2moeConfig(MethodOptions):
         "lfuc", "lfuc: Layer-Fusion Upcycling; prune_upcycle / prune_only: Table 5's baselines")
     prune_layers: int | None = option(None, "k of §4.1: decoder layers to remove in all (default: the paper's share, "
                                             "5 of Qwen2.5-0.5B's 24 layers, rounded: 1 of 5, 6 of 30)", low=1)
+    search: bool = option(False, "§2.3's search with n* free: one span, the first in S_L order of any length whose "
+                                 "MLP inputs are all within delta (prune_layers and spans then unset); default: "
+                                 "n fixed (prune_layers, §4.1)")
     spans: int = option(1, "separate spans the removed layers form, each fused into its own kept layer (§4.1's "
                            "top-k redundant layers need not be contiguous); 1: one span l*+1 .. l*+k (§2.3)", low=1)
     delta: float = option(0.3, "fuse only MLP inputs at cosine distance 1 - s(h^(l*), h^(l*+k)) < delta",
@@ -52,6 +55,8 @@ class Dense2moeConfig(MethodOptions):
 
     def validate(self) -> None:
         require_multiple("batch_size", self.batch_size, "grad_accum", self.grad_accum)
+        if self.search and (self.prune_layers is not None or self.spans != 1):
+            raise OptionError("search=true chooses n* itself, in one span: leave prune_layers and spans unset")
         if self.steps and self.warmup > self.steps:  # steps=0 trains nothing: the warm-up does not apply
             raise OptionError(f"warmup={self.warmup} must be <= steps={self.steps}")
         if self.prune_layers is not None:
@@ -69,7 +74,10 @@ class Dense2moeConfig(MethodOptions):
         require_at_most("seq_len", self.seq_len, model_config.max_position_embeddings, "the model's context")
 
     def layers_to_prune(self, model_config: PreTrainedConfig) -> int:
-        """``prune_layers``, or the paper's share of the model's layers (5 of 24), at least 1."""
+        """``prune_layers``, or the paper's share of the model's layers (5 of 24), at least 1; with ``search``
+        the shortest span the search may choose (1), which the checks of the experts per span need."""
+        if self.search:
+            return 1
         if self.prune_layers is not None:
             return self.prune_layers
         return max(1, round(model_config.num_hidden_layers * PAPER_PRUNED / PAPER_LAYERS))
