@@ -164,3 +164,16 @@ def test_save_load_identical_logits_and_eval_cli(family, make_ctx, tokenizer, tm
     assert main(["eval", str(out), "--seq-len", "128", "--json", str(tmp_path / "e.json")]) == 0
     result = json.loads((tmp_path / "e.json").read_text())
     assert result["ppl"]["tinystories_eval"] > 1 and 0 < result["active"]["apr"] < 1
+
+
+def test_channels_never_in_a_tokens_top_k_act_are_counted_per_layer(make_ctx):
+    """App. D.2, Table 4: the channels no calibration token had among its top-k_act activations."""
+    stats = CoActivation(4, 6, k_act=2)
+    h = torch.tensor([[5.0, 4.0, 0.1, 0.0, 0.2, 0.0], [0.3, 6.0, 7.0, 0.0, 0.1, 0.0]])
+    stats.update(torch.zeros(2, 4), h)
+    assert stats.never_activated == 3  # channels 3, 4, 5; 0, 1, 2 were in some token's top-2
+    ctx = make_ctx(clone(tiny_model("llama", **STORIES_VOCAB)))
+    details = convert(ctx, build_config(MoreConfig, CALIB)).details
+    for layer in details["layers"]:
+        m = DecoderAdapter(ctx.model).mlp_module(layer["layer"]).dense_width
+        assert layer["k_act"] == max(1, int(0.05 * m)) and 0 <= layer["never_activated"] < m

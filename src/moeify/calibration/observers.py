@@ -67,6 +67,11 @@ class CoActivation:
         return self._counts / self.tokens
 
     @property
+    def never_activated(self) -> int:
+        """Channels no token had among its top-k_act (App. D.2, Table 4: channel concentration)."""
+        return int((self._counts == 0).sum())
+
+    @property
     def coactivation(self) -> Tensor:
         """C (m, m) in float64; Eq. 6."""
         return self._co.double() / self.tokens

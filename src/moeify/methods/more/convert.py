@@ -93,10 +93,10 @@ def convert_layer(step_run, capture, mlp: MlpWeights, k_share: int, cfg: MoreCon
     score = channel_importance(mlp, stats.squares)
     order = score.argsort(descending=True)
     generator = torch.Generator().manual_seed(seed)
-    info: dict[str, Any] = {}
+    info: dict[str, Any] = {"k_act": stats.k_act, "never_activated": stats.never_activated}  # Table 4
     if cfg.variant == "backbone":
         keep = order[:k_share + round((m - k_share) / r)]  # the same budget, static
-        return static_layer(mlp, keep), {"backbone": keep.numel()}
+        return static_layer(mlp, keep), {**info, "backbone": keep.numel()}
     if cfg.variant == "naive":
         shared, routed, r = order[:0], torch.arange(m), k_share
     else:
