@@ -26,11 +26,16 @@ from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB
 from moeify.evaluation.record import read_record
-from moeify.files import OutputExistsError, check_output_dir, moeify_files, write_marker
+from moeify.files import OutputExistsError, atomic_file, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method
 from moeify.options import build_config
+from moeify.recipes import Recipe
+from moeify.recipes.table import recipe_table
 from moeify.training.recovery_options import RecoveryOptions
+
+
+RECIPE_TABLE = "recipe.md"
 
 
 def matched_options(method: Method, active: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
@@ -40,7 +45,8 @@ def matched_options(method: Method, active: float, adapter: DecoderAdapter) -> t
     return method.match_budget(active, adapter)
 
 
-WORKING = ("teacher_cache", "compare.json")  # what a comparison writes beside its runs (and <method>.work)
+# what a comparison writes beside its runs (and <row>.work)
+WORKING = ("teacher_cache", "compare.json", RECIPE_TABLE)
 
 
 def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> None:
@@ -87,6 +93,7 @@ class MethodRun:
     """What converting one method of a comparison needs (picklable: it may run in a worker process)."""
 
     method: str
+    name: str  # its folder in ``out``: the method's name, or a recipe's row
     attempts: list[dict[str, Any]]
     matched: str
     settings: dict[str, Any]  # convert's keyword arguments shared by every method
@@ -102,8 +109,8 @@ def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
 
     if threads is not None:
         torch.set_num_threads(threads)
-    summary: dict[str, Any] = {"method": run.method, "matched": run.matched}
-    folder, work = run.out / run.method, run.out / f"{run.method}.work"
+    summary: dict[str, Any] = {"method": run.method, "row": run.name, "matched": run.matched}
+    folder, work = run.out / run.name, run.out / f"{run.name}.work"
     if run.resume and _completed(folder):
         record = read_record(folder)
         run_settings = ("seed", "device", "dtype")
@@ -126,13 +133,22 @@ def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
     return summary
 
 
+def _runs(methods: list[str], active: float, adapter: DecoderAdapter,
+          recipe: Recipe | None) -> list[tuple[str, str, list[dict[str, Any]], str]]:
+    """(method, row name, option sets to try, how they were chosen) of every conversion: each method matched
+    to APR ``active``, or each row of ``recipe`` with its options."""
+    if recipe is not None:
+        return [(row.method, row.name, [row.options], f"{recipe.source}: {row.label}") for row in recipe.runs]
+    return [(method, method, *matched_options(get_method(method), active, adapter)) for method in methods]
+
+
 def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *,
                    calib: str | list[str] | None = None,
                    eval: str | None = None, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                    progress: bool = False, overwrite: bool = False, resume: bool = False,
                    options: dict[str, dict[str, Any]] | None = None, recovery: dict[str, Any] | None = None,
                    recover_tokens: tuple[int, ...] = (), eval_seq_len: int | None = None,
-                   jobs: int = 1) -> list[dict[str, Any]]:
+                   jobs: int = 1, recipe: Recipe | None = None) -> list[dict[str, Any]]:
     """Convert with every method into ``out/<method>`` and write ``out/report``; returns one summary per
     method (its folder, the options used, how they were matched, or the error that stopped it). With
     ``resume``, methods whose run in ``out`` is complete are not run again. ``options``: a method's own
@@ -140,7 +156,9 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
     largest of these budgets (``recovery``: the recovery's other options), its perplexity measured after
     each smaller one; where the recovery distils top-k targets, their cache (``out/teacher_cache``) is built
     once, first, for every method. ``jobs``: methods converted at a time, each in its own process with an
-    equal share of the CPU threads."""
+    equal share of the CPU threads. ``recipe``: convert its rows, each with its options, into ``out/<row>``
+    (``options`` then keyed by row) in place of ``methods`` at ``active``, and write ``out/recipe.md``, the
+    rows beside the paper's figures."""
     from moeify.report.build import write_report
 
     prepare_output(out, overwrite=overwrite, resume=resume)
@@ -158,11 +176,8 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
             prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,
                                   identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
                                   device=device, progress=progress)
-    runs = []
-    for method in methods:
-        attempts, how = matched_options(get_method(method), active, adapter)
-        runs.append(MethodRun(method, attempts, how, settings, (options or {}).get(method, {}), recovery, out,
-                              resume))
+    runs = [MethodRun(method, name, attempts, how, settings, (options or {}).get(name, {}), recovery, out, resume)
+            for method, name, attempts, how in _runs(methods, active, adapter, recipe)]
     del dense
     if jobs == 1:
         summaries = [_run_method(run) for run in runs]
@@ -173,4 +188,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
     done = [Path(s["folder"]) for s in summaries if "folder" in s]
     if done:
         write_report(done, out / "report", overwrite=True)
+    if recipe is not None:
+        with atomic_file(out / RECIPE_TABLE) as tmp:
+            tmp.write_text(recipe_table(recipe, summaries, str(model or "the embedded stories260K")))
     return summaries

@@ -19,8 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", nargs="?", default=None, help="local path or hub name (default: embedded)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated (default: every method, as `moeify methods` lists them)")
-    parser.add_argument("--active", "--apr", dest="active", type=float, default=0.5,
+    parser.add_argument("--active", "--apr", dest="active", type=float, default=None,
                         help="target activated-parameter ratio, APR (default 0.5)")
+    parser.add_argument("--recipe", default=None, metavar="NAME|FILE",
+                        help="a paper's table instead of --methods/--apr: convert each of its rows with the row's "
+                             "options and print them beside the paper's figures (--out/recipe.md); shipped: "
+                             f"{', '.join(_recipe_names())}")
     parser.add_argument("--out", required=True, type=Path, help="folder for the runs and the report")
     parser.add_argument("--calib", action="append", default=None,
                         help="calibration/training text, as for convert: a file or folder, repeatable (default: "
@@ -31,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(parser)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="METHOD.KEY=VALUE: an option of one method, beside (and over) its matched ones (e.g. "
-                             "tomoe.steps=250); recover_*=VALUE: a recovery option for every method; repeatable")
+                             "tomoe.steps=250; with --recipe: of every row of that method, or ROW.KEY=VALUE of one "
+                             "row); recover_*=VALUE: a recovery option for every method; repeatable")
     parser.add_argument("--recover-tokens", default="", metavar="N[,N...]",
                         help="recover every conversion by distillation from the dense model for the largest of "
                              "these budgets (training tokens), the perplexity measured after each (the curve of "
@@ -45,22 +50,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def split_options(pairs: dict[str, Any], methods: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """``--set`` values of a comparison: ``METHOD.KEY`` for one method, ``recover_*`` for every method's
-    recovery; returns (per-method options, recovery options)."""
-    per_method: dict[str, dict[str, Any]] = {method: {} for method in methods}
+def _recipe_names() -> list[str]:
+    from moeify.recipes import recipe_names
+
+    return recipe_names()
+
+
+def split_options(pairs: dict[str, Any], targets: dict[str, list[str]]) -> tuple[dict[str, dict[str, Any]],
+                                                                                  dict[str, Any]]:
+    """``--set`` values of a comparison: ``TARGET.KEY`` for the runs ``targets`` names by that prefix (a
+    method: its runs; a recipe's row: itself), ``recover_*`` for every run's recovery; returns (per-run
+    options, recovery options). A row's own value is taken over its method's."""
+    per_run: dict[str, dict[str, Any]] = {run: {} for runs in targets.values() for run in runs}
     shared: dict[str, Any] = {}
-    for key, value in pairs.items():
-        method, dot, name = key.partition(".")
+    # a method's values first, then a row's, which win
+    for key, value in sorted(pairs.items(), key=lambda item: item[0].partition(".")[0] in per_run):
+        target, dot, name = key.partition(".")
         if dot:
-            if method not in per_method:
-                raise ValueError(f"--set {key}: {method!r} is not one of the compared methods ({', '.join(methods)})")
-            per_method[method][name] = value
+            if target not in targets:
+                raise ValueError(f"--set {key}: {target!r} is not one of the compared methods or rows "
+                                 f"({', '.join(targets)})")
+            for run in targets[target]:
+                per_run[run][name] = value
         elif key.startswith("recover_"):
             shared[key] = value
         else:
             raise ValueError(f"--set {key}: name the method (METHOD.{key}) or give a recovery option (recover_*)")
-    return per_method, shared
+    return per_run, shared
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,33 +86,50 @@ def run(args: argparse.Namespace) -> int:
     from moeify.options import build_config, parse_assignments
     from moeify.training.recovery_options import RecoveryOptions
 
-    names = args.methods or ",".join(m.name for m in METHODS)
-    methods = [m.strip() for m in names.split(",") if m.strip()]
-    for name in methods:
-        get_method(name)  # unknown names fail before any work
-    if not 0 < args.active <= 1:
-        raise ValueError(f"--active={args.active} is out of range; allowed: (0, 1]")
+    recipe = None
+    if args.recipe is not None:
+        from moeify.recipes import load_recipe
+
+        if args.methods is not None or args.active is not None:
+            raise ValueError("--recipe names its rows' methods and options: leave out --methods and --apr")
+        recipe = load_recipe(args.recipe)  # validated whole, every row's options included
+        methods = sorted({row.method for row in recipe.runs})
+        targets = {**{m: [row.name for row in recipe.runs if row.method == m] for m in methods},
+                   **{row.name: [row.name] for row in recipe.runs}}
+    else:
+        names = args.methods or ",".join(m.name for m in METHODS)
+        methods = [m.strip() for m in names.split(",") if m.strip()]
+        for name in methods:
+            get_method(name)  # unknown names fail before any work
+        targets = {method: [method] for method in methods}
+    active = 0.5 if args.active is None else args.active
+    if not 0 < active <= 1:
+        raise ValueError(f"--active={active} is out of range; allowed: (0, 1]")
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} is out of range; allowed: >= 1")
     check_not_an_input(args.out, [args.model, *(args.calib or []), args.eval])
-    per_method, recovery = split_options(parse_assignments(args.set), methods)
+    per_run, recovery = split_options(parse_assignments(args.set), targets)
     budgets = parse_milestones(args.recover_tokens)
     if recovery and not budgets:
         raise ValueError("recover_* options need a budget: --recover-tokens N")
     build_config(RecoveryOptions, {**recovery, "recover_tokens": max(budgets, default=0)})  # fail before any work
     from moeify.api import run_comparison
+    from moeify.api.compare import RECIPE_TABLE
 
     with output_lock(args.out):
-        summaries = run_comparison(args.model, methods, args.active, args.out, calib=args.calib, eval=args.eval,
+        summaries = run_comparison(args.model, methods, active, args.out, calib=args.calib, eval=args.eval,
                                    seed=args.seed, device=args.device, dtype=args.dtype,
-                                   progress=True, overwrite=args.overwrite, resume=args.resume, options=per_method,
+                                   progress=True, overwrite=args.overwrite, resume=args.resume, options=per_run,
                                    recovery=recovery, recover_tokens=budgets, eval_seq_len=args.seq_len,
-                                   jobs=args.jobs)
+                                   jobs=args.jobs, recipe=recipe)
         (args.out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     for s in summaries:
-        print(f"{s['method']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")
+        print(f"{s['row']:<14} {s['matched']:<45} {s.get('folder') or 'FAILED: ' + s['error']}")
     report = args.out / "report" / "report.md"
     if report.is_file():
         print(report.read_text().split("\n\n", 1)[1].split("\n!", 1)[0])
     print(f"wrote {report}")
+    if recipe is not None:
+        print((args.out / RECIPE_TABLE).read_text())
+        print(f"wrote {args.out / RECIPE_TABLE}")
     return 0
