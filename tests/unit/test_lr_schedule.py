@@ -48,3 +48,22 @@ def test_the_loop_follows_the_schedule_and_resumes_on_it(tmp_path):
     resumed, later = run(6, tmp_path, resume=True)
     assert later == pytest.approx(rates[2:])
     assert_same_weights(resumed, reference)
+
+
+def test_linear_decay_falls_from_the_initial_rate_towards_zero_and_lora_options_choose_it():
+    from moeify.methods.cmoe import CmoeConfig
+    from moeify.training.loop import LinearDecay
+
+    assert [LinearDecay().factor(s, 4) for s in range(4)] == pytest.approx([1.0, 0.75, 0.5, 0.25])
+    assert [LinearDecay(2).factor(s, 6) for s in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+    model = tiny_model("llama")
+    optimizer = torch.optim.Adam([{"params": list(model.parameters())[:2], "lr": 1e-2},
+                                  {"params": list(model.parameters())[2:], "lr": 1e-3}])
+    seen = []
+    train(model, optimizer, STREAM, TrainPlan(steps=4, batch_size=2, seq_len=16, schedule=LinearDecay()), seed=0,
+          device=torch.device("cpu"), after_step=lambda: seen.append([g["lr"] for g in optimizer.param_groups]),
+          progress=False)
+    expected = [rate * f for f in (1.0, 0.75, 0.5, 0.25) for rate in (1e-2, 1e-3)]  # every group from its own rate
+    assert [lr for step in seen for lr in step] == pytest.approx(expected)
+    assert CmoeConfig(finetune_steps=4, lr_schedule="linear").plan(32).schedule == LinearDecay()
+    assert CmoeConfig(finetune_steps=4).plan(32).schedule is None  # constant by default

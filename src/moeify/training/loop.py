@@ -87,6 +87,19 @@ class WarmupConstant:
         return min(1.0, (step + 1) / self.warmup)
 
 
+@dataclass(frozen=True)
+class LinearDecay:
+    """A ``TrainPlan.schedule``: linear warm-up over ``warmup`` steps, then the base rate falling linearly
+    towards 0 at the last step (Hugging Face Trainer's default schedule, whose default warm-up is none)."""
+
+    warmup: int = 0
+
+    def factor(self, step: int, steps: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return (steps - step) / (steps - self.warmup)
+
+
 def earlier_seconds(details: Any) -> float:
     """The training time of runs before a resume, summed over every ``TrainLog.summary`` in a method's
     details (its stages may each have resumed), so that a resumed conversion records its whole time."""
@@ -119,7 +132,7 @@ class TrainPlan:
     seq_len: int
     grad_accum: int = 1
     checkpoint_every: int = 0
-    schedule: WarmupCosine | WarmupConstant | None = None
+    schedule: WarmupCosine | WarmupConstant | LinearDecay | None = None
     recompute: bool = True
     epoch_samples: int = 0
     wrap: bool = False

@@ -4,7 +4,7 @@ torch, so that a command validates them before it imports the training code."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from moeify.options import MethodOptions, OptionError, Training, option, require_multiple
 
@@ -29,6 +29,9 @@ class LoraOptions(MethodOptions):
     recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
                                    "recomputed in the backward pass (far less memory, about 1/3 more compute)")
     lr: float = option(5.95e-5, "learning rate of the LoRA weights (CMoE paper)", low=0.0, low_open=True)
+    lr_schedule: Literal["constant", "linear"] = option(
+        "constant", "fine-tuning learning rates: constant, or linear decay from each one's initial rate to 0 over "
+                    "the run (Hugging Face Trainer's default; the CMoE paper names only initial rates)")
     lora_rank: int = option(8, "LoRA rank", low=1)
     lora_alpha: float = option(32.0, "LoRA alpha", low=0.0, low_open=True)
     lora_dropout: float = option(0.0, "LoRA dropout (the CMoE reference code uses 0.1)", low=0.0, high=0.99)
@@ -51,10 +54,10 @@ class LoraOptions(MethodOptions):
         return Training(True, self.finetune_batch_size, self.grad_accum, seq_len, self.recompute)
 
     def plan(self, calib_seq_len: int) -> TrainPlan:
-        from moeify.training.loop import TrainPlan, epoch
+        from moeify.training.loop import LinearDecay, TrainPlan, epoch
 
         shape = {"seq_len": self.finetune_seq_len or calib_seq_len, "grad_accum": self.grad_accum,
-                 "recompute": self.recompute}
+                 "recompute": self.recompute, "schedule": LinearDecay() if self.lr_schedule == "linear" else None}
         if self.finetune_samples:
             return epoch(self.finetune_samples, self.finetune_batch_size, **shape)
         return TrainPlan(steps=self.finetune_steps, batch_size=self.finetune_batch_size, **shape)
