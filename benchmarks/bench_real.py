@@ -156,6 +156,10 @@ def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
                    nominal_apr=None if nominal is None else nominal.apr,
                    analysis=details.get("analysis", {}).get("mean"),
                    finetune={k: v for k, v in details.get("finetune", {}).items() if k != "losses"} or None)
+        counted = [layer for layer in details.get("layers", []) if "never_activated" in layer]
+        if counted:  # MoRE's channel concentration (App. D.2, Table 4), per converted layer
+            row["never_activated"] = {"k_act": counted[0]["k_act"],
+                                      "per_layer": {layer["layer"]: layer["never_activated"] for layer in counted}}
     result = evaluate(model, tokenizer, [eval_file], seq_len=SEQ_LEN)
     row.update(ppl=result["ppl"][eval_file.name], eval_tokens=result["eval"][eval_file.name]["tokens"],
                apr=result["active"]["apr"], mlp_ratio=result["active"]["mlp_ratio"])
