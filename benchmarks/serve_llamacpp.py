@@ -2,8 +2,10 @@
 and prompt and generation speed against the dense model in the same quantisation.
 
 Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go through the same writer) and
-each default conversion that llama.cpp's granitemoe holds (MoRE exactly, ToMoE's MLP experts exactly, CMoE
-through ``--approximate``), each written by ``moeify export --format gguf`` in every ``--quants``. Per row
+each default conversion that llama.cpp holds: its granitemoe MoRE exactly, ToMoE's MLP experts exactly and
+CMoE through ``--approximate``, its qwen2moe Dense2MoE exactly (bench_real's ``dense2moe`` options; its
+dense layers as identical experts, so the file holds E copies of their MLPs), each written by ``moeify
+export --format gguf`` in every ``--quants``. Per row
 and quantisation, one JSON line in ``--out``:
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
@@ -21,7 +23,7 @@ llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
 
     pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/llama
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install /tmp/llama/llama_cpp_python-0.3.36.tar.gz
-    python benchmarks/serve_llamacpp.py [--rows dense,more,tomoe,cmoe] [--quants f32,f16,q8_0,q4_k_m]
+    python benchmarks/serve_llamacpp.py [--rows dense,more,tomoe,cmoe,dense2moe] [--quants f32,f16,q8_0,q4_k_m]
     python benchmarks/serve_llamacpp.py --markdown    # the table of --out
 """
 
@@ -55,6 +57,7 @@ ROWS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]] | None] = {
     "more": ("more", {}, ()),
     "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, ()),
     "cmoe": ("cmoe", {}, ("--approximate",)),
+    "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}, ()),
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 AGREEMENT_QUANTS = ("f32", "f16")

@@ -201,3 +201,52 @@ def test_cli_writes_a_gguf_and_says_what_it_holds(natives, files, tmp_path, caps
     assert "granitemoe" in printed and "MOSTLY_F16" in printed and f"wrote {out}" in printed
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_F16
     assert out.stat().st_size < files[("more", "f32")][1].stat().st_size
+
+
+def _qwen2moe_mlp(tensors: dict, block: int, x: np.ndarray, top_k: int) -> np.ndarray:
+    """llama.cpp's qwen2moe FFN (softmax over every expert, the top-k weighed by their probabilities, not
+    renormalised; the shared expert times silu(g) / g) on rows ``x``, from the GGUF's arrays."""
+    def silu(v):
+        return v / (1 + np.exp(-v))
+
+    def get(name):
+        return np.asarray(tensors[f"blk.{block}.{name}.weight"].data, dtype=np.float64)
+
+    logits = x @ get("ffn_gate_inp").T
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    gate, up, down = get("ffn_gate_exps"), get("ffn_up_exps"), get("ffn_down_exps")
+    out = np.zeros_like(x)
+    for t, row in enumerate(x):
+        for e in np.argsort(-probs[t], kind="stable")[:top_k]:
+            out[t] += probs[t, e] * (down[e] @ (silu(gate[e] @ row) * (up[e] @ row)))
+    g = x @ get("ffn_gate_inp_shexp")
+    shared = (silu(x @ get("ffn_gate_shexp").T) * (x @ get("ffn_up_shexp").T)) @ get("ffn_down_shexp").T
+    return out + shared * (silu(g) / g)[:, None]
+
+
+def test_dense2moe_is_llamacpp_qwen2moe_its_dense_layers_as_identical_experts(tmp_path):
+    """Softmax weights that are not renormalised (Dense2MoE's) are llama.cpp's qwen2moe; its dense layers
+    become E copies of their MLP under a zero router with down projections times E / k, its zero shared
+    expert gets a nonzero gate: every layer's FFN, computed as llama.cpp does from the file, is the
+    converted model's."""
+    native = moeify.save(moeify.convert(None, "dense2moe", {"steps": 0, "warmup": 0}, measure_speed=False),
+                         tmp_path / "d2m")
+    record = export_folder(native, "gguf", tmp_path / "d2m.gguf", quant="f32")
+    assert record["format"] == "qwen2_moe" and record["gguf"]["architecture"] == "qwen2moe"
+    reader = gguf.GGUFReader(tmp_path / "d2m.gguf")
+    fields = _fields(reader)
+    source = load_model(native)[0]
+    experts = fields["qwen2moe.expert_count"]
+    top_k = fields["qwen2moe.expert_used_count"]
+    assert experts > top_k == 1 and fields["qwen2moe.expert_shared_feed_forward_length"] > 0
+    tensors = {t.name: t for t in reader.tensors}
+    assert all(tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"].data.ndim == 1 for i in range(source.config.num_hidden_layers))
+    x = np.random.default_rng(0).standard_normal((6, source.config.hidden_size))
+    moe_layers = 0
+    for i, layer in enumerate(source.model.layers):
+        with torch.no_grad():
+            expected = layer.mlp(torch.tensor(x, dtype=torch.float32)).double().numpy()
+        np.testing.assert_allclose(_qwen2moe_mlp(tensors, i, x, top_k), expected, rtol=1e-4, atol=1e-5)
+        moe_layers += int(np.abs(np.asarray(tensors[f"blk.{i}.ffn_gate_inp.weight"].data)).max() > 0)
+    assert moe_layers == 1  # the fused layer; every other one is a dense layer's copies

@@ -61,7 +61,7 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
     perplexity of source and export on ``eval`` (default: the embedded evaluation slice). ``dense_layers``
     (layer indices or ``"auto"``) exports those routed layers dense, an approximation too. The export is
     written in ``dtype`` (default: the dtype the source was saved in). ``fmt="gguf"`` writes one file for
-    llama.cpp, in ``quant``, through ``granitemoeshared`` (a routed model) or ``llama`` (a dense one)."""
+    llama.cpp, in ``quant``, through the standard format ``gguf_route`` picks."""
     approximate = approximate or dense_layers is not None
     out = Path(out)
     _check_request(source, fmt, out, quant=quant, approximate=approximate, overwrite=overwrite,
@@ -73,10 +73,8 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
         record["dense_model"] = dense  # what `moeify bench` compares the export with
     vocabulary = None
     if fmt == GGUF:
-        fmt = "llama" if EXPORTERS["llama"].supports(model) else "granitemoeshared"
-        if reasons := gguf_export.unsupported(fmt, model.config):
-            raise NotExportable("llama.cpp would not compute this model as written:\n"
-                                + "\n".join(f"  - {reason}" for reason in reasons))
+        fmt = gguf_route(model)
+        _refuse_unsupported(fmt, model.config)
         places = [source, *([record["dense_model"]] if "dense_model" in record else [])]
         vocabulary = gguf_export.vocabulary(places, model.config.vocab_size)
     export = _built(exporter_named(fmt), model, tokenizer, record, approximate=approximate, dense_layers=dense_layers,
@@ -84,9 +82,27 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
     if vocabulary is None:
         save_hf(export, out, tokenizer, overwrite=overwrite, record=record)
     else:
+        _refuse_unsupported(fmt, export.model.config)  # what only the built export's config says
         record["gguf"] = {"quant": quant, "tokenizer": vocabulary.source}
         record["gguf"].update(gguf_export.write_gguf(export, out, vocabulary, quant, record))
     return {**export.record, **record}
+
+
+def _refuse_unsupported(fmt: str, config: Any) -> None:
+    if reasons := gguf_export.unsupported(fmt, config):
+        raise NotExportable("llama.cpp would not compute this model as written:\n"
+                            + "\n".join(f"  - {reason}" for reason in reasons))
+
+
+def gguf_route(model: PreTrainedModel) -> str:
+    """The standard format a GGUF file is written through: ``llama`` for a dense model, ``granitemoeshared``
+    where it holds the routing exactly, else ``qwen2_moe`` where that does (softmax weights not
+    renormalised: Dense2MoE's), else ``granitemoeshared`` (through its approximation, or its refusal)."""
+    if EXPORTERS["llama"].supports(model):
+        return "llama"
+    if not EXPORTERS["granitemoeshared"].supports(model) and EXPORTERS["qwen2_moe"].supports(model):
+        return "qwen2_moe"
+    return "granitemoeshared"
 
 
 def _check_request(source: str | Path, fmt: str, out: Path, *, quant: str, approximate: bool, overwrite: bool,

@@ -7,7 +7,10 @@ import gguf
 from transformers import PretrainedConfig
 
 # standard format moeify builds -> llama.cpp architecture that runs it
-ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "granitemoeshared": gguf.MODEL_ARCH.GRANITE_MOE}
+ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "granitemoeshared": gguf.MODEL_ARCH.GRANITE_MOE,
+                 "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
+ROTATES_HALVES = ("qwen2_moe",)  # llama.cpp's NEOX rotary, transformers' layout: q and k stay as they are
+NEEDS_OUTPUT = ("qwen2_moe",)  # llama.cpp's qwen2moe requires output.weight, tied or not
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -20,9 +23,13 @@ def unsupported(fmt: str, config: PretrainedConfig) -> list[str]:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in ("default", "linear"):
         reasons.append(f"rotary scaling {rope['rope_type']!r}: the GGUF writer handles none and linear")
-    if fmt == "granitemoeshared" and head_dim(config) * config.num_attention_heads != config.hidden_size:
+    if fmt != "llama" and head_dim(config) * config.num_attention_heads != config.hidden_size:
         reasons.append(f"head_dim={head_dim(config)} x {config.num_attention_heads} heads != hidden_size="
-                       f"{config.hidden_size}: llama.cpp's granitemoe derives the head size from hidden_size")
+                       f"{config.hidden_size}: llama.cpp's {gguf.MODEL_ARCH_NAMES[ARCHITECTURES[fmt]]} derives the head size "
+                       "from hidden_size")
+    if fmt == "qwen2_moe" and getattr(config, "norm_topk_prob", False):  # the export's config says
+        reasons.append("top-k weights renormalised over the chosen experts: llama.cpp's qwen2moe weighs them by "
+                       "their softmax probability")
     return reasons
 
 
@@ -45,6 +52,12 @@ def add_hyperparameters(writer: gguf.GGUFWriter, fmt: str, config: PretrainedCon
     if fmt == "llama":
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
+        return
+    if fmt == "qwen2_moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
         return
     # Granite: MoE sizes and the multipliers its graph applies (moeify's export sets neutral ones)
     writer.add_expert_count(config.num_local_experts)

@@ -34,8 +34,17 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
          "block_sparse_moe.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
          "block_sparse_moe.experts.down_proj": "ffn_down_exps.weight",
          "shared_mlp.input_linear.weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
-         "shared_mlp.output_linear.weight": "ffn_down_shexp.weight"}
-FLOAT32_ALWAYS = ("ffn_gate_inp.weight",)  # routers: llama.cpp keeps them float32 in every file type
+         "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+         "mlp.gate.weight": "ffn_gate_inp.weight",
+         "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+         "mlp.experts.down_proj": "ffn_down_exps.weight",
+         "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+         "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+         "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+         "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+# routers and the shared expert's gate vector: llama.cpp keeps them float32 in every file type
+FLOAT32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+VECTORS = ("ffn_gate_inp_shexp.weight",)  # (1, d) in transformers, (d,) in llama.cpp
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 # file type -> (GGUF file type, the type of the tensors that are quantised)
@@ -55,10 +64,14 @@ def rotary_interleaved(weight: Tensor, heads: int) -> Tensor:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def gguf_tensors(state: dict[str, Tensor], config: PretrainedConfig) -> Iterator[tuple[str, Tensor]]:
-    """``state`` (a standard-format model's tensors) as (llama.cpp name, tensor), in float32."""
+def gguf_tensors(state: dict[str, Tensor], config: PretrainedConfig, interleave: bool = True,
+                 tied_output: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """``state`` (a standard-format model's tensors) as (llama.cpp name, tensor), in float32; ``interleave``:
+    q and k rows into llama.cpp's adjacent-pair rotary layout (its llama and granite; its qwen2 rotates
+    halves, as transformers does); ``tied_output``: write a tied output head too (an architecture that
+    does not read a missing one as the embedding)."""
     for key, value in state.items():
-        if key == "lm_head.weight" and config.tie_word_embeddings:
+        if key == "lm_head.weight" and config.tie_word_embeddings and not tied_output:
             continue  # llama.cpp reads a missing output.weight as the tied embedding
         value = value.detach().float().cpu()
         if key in GLOBAL:
@@ -68,11 +81,13 @@ def gguf_tensors(state: dict[str, Tensor], config: PretrainedConfig) -> Iterator
         if match is None or match.group(2) not in LAYER:
             raise UnmappedTensor(f"{key!r} has no llama.cpp name in this architecture")
         block, name = match.group(1), match.group(2)
-        if name.startswith("self_attn.q_proj."):
+        if interleave and name.startswith("self_attn.q_proj."):
             value = rotary_interleaved(value, config.num_attention_heads)
-        elif name.startswith("self_attn.k_proj."):
+        elif interleave and name.startswith("self_attn.k_proj."):
             value = rotary_interleaved(value, config.num_key_value_heads)
         target = LAYER[name]
+        if target in VECTORS:
+            value = value.flatten()
         if isinstance(target, tuple):  # a fused gate and up projection: gate rows first
             for half, part in zip(target, value.chunk(2, dim=-2)):
                 yield f"blk.{block}.{half}", part.contiguous()

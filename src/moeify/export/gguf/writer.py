@@ -16,7 +16,8 @@ from typing import Any
 
 import gguf
 
-from moeify.export.gguf.metadata import ARCHITECTURES, add_hyperparameters
+from moeify.export.gguf.metadata import ARCHITECTURES, NEEDS_OUTPUT, ROTATES_HALVES, add_hyperparameters
+from moeify.export.gguf.qwen2moe import all_routed
 from moeify.export.gguf.quantize import LLAMA_QUANTS, llama_quantize
 from moeify.export.gguf.tensors import FILE_TYPES, encoded, gguf_tensors, tensor_type
 from moeify.export.gguf.vocab import Vocabulary
@@ -59,7 +60,11 @@ def _write(export: HfExport, path: Path, vocabulary: Vocabulary, quant: str, rec
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocabulary.add_to(writer)
     writer.add_string(RECORD_KEY, json.dumps({**export.record, **(record or {})}, default=str))
-    for name, value in gguf_tensors(export.model.state_dict(), config):
+    state = export.model.state_dict()
+    if export.format == "qwen2_moe":
+        state = all_routed(state, config)
+    for name, value in gguf_tensors(state, config, interleave=export.format not in ROTATES_HALVES,
+                                    tied_output=export.format in NEEDS_OUTPUT):
         qtype = tensor_type(name, value, quantised)
         writer.add_tensor(name, encoded(value, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
