@@ -92,6 +92,7 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
                                                   "router_weighting": "upcycle"}),
     "dense2moe_prune_upcycle": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
                                               "variant": "prune_upcycle"}),
+    "dense2moe_apr0.5": ("dense2moe", {"apr": 0.5, "steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
     "dense2moe_search": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
                                        "search": True}),  # §2.3's free n*
     "dense2moe_prune_only": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0,
