@@ -31,8 +31,9 @@ Defaults, for the scale of the embedded stories260K (5 layers, d = 64, d_h = 172
 training text; the paper trains 1B-7B models on 10B tokens with AdamW, lr 2e-5, batch 32 x 1024 tokens.
 Here: 200 steps of 8 x 256 tokens (410k tokens, about 14 passes over the text, minutes on a CPU), lr
 2e-4 for the weights (10x the paper's: a run of 410k tokens needs larger steps than one of 10B),
-1e-2 for the gates (they start at zero and must become decisive within the
-run), sparsity weight 1 (Eq. 19). Every effective option is recorded with the run; the measured effect
+1e-2 for the gates (the paper has one rate for every parameter; the gates start fitted on, above tau, and
+must travel from there across tau within a run this short, far farther than the pre-trained weights
+should move), sparsity weight 1 (Eq. 19). Every effective option is recorded with the run; the measured effect
 is in ``benchmarks/bench_dsmoe.py`` and docs/results.md.
 """
 
