@@ -40,7 +40,8 @@ def test_default_training_sparsifies_and_the_tau_sweep_is_monotone(trained):
         ratios = [sweep[tau][key] for tau in sorted(sweep)]
         assert all(a >= b for a, b in zip(ratios, ratios[1:])) and ratios[0] > ratios[-1], (key, ratios)
     assert sweep[0.5]["apr"] == pytest.approx(record["active"]["apr"])
-    assert sweep[0.5]["model_ratio"] == pytest.approx(record["paper_ratio"]["value"]) > record["active"]["apr"]
+    assert sweep[0.5]["model_ratio"] == pytest.approx(record["paper_ratio"]["value"])  # Table 4's whole model
+    assert sweep[0.5]["model_ratio"] > record["active"]["apr"]  # embeddings and head always active
     assert 0.5 < record["active"]["apr"] < 1 and 0 < record["active"]["mlp_ratio"] < 1  # tau = 0.5 drops experts
     assert record["metrics"]["dense_ppl"] < record["metrics"]["ppl"] < 2 * record["metrics"]["dense_ppl"]
     assert record["metrics"]["eval_tokens"] > 40_000
