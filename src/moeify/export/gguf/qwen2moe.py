@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from moeify.export.formats.common import mlp_tensors
 from moeify.export.gguf.tensors import UnmappedTensor
+from moeify.export.hf_parts import GatedMlp
 
 _DENSE = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight")
 _SHARED = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj\.weight")
@@ -53,9 +55,7 @@ def all_routed(state: dict[str, Tensor], config: PretrainedConfig) -> dict[str, 
         out[prefix + "gate.weight"] = gate.new_zeros(experts, gate.shape[1])  # softmax(0): 1/E each
         out[prefix + "experts.gate_up_proj"] = torch.cat([gate, up]).expand(experts, -1, -1).contiguous()
         out[prefix + "experts.down_proj"] = down.expand(experts, -1, -1).contiguous()
-        shared = config.shared_expert_intermediate_size
-        out[prefix + "shared_expert.gate_proj.weight"] = gate.new_zeros(shared, gate.shape[1])
-        out[prefix + "shared_expert.up_proj.weight"] = gate.new_zeros(shared, gate.shape[1])
-        out[prefix + "shared_expert.down_proj.weight"] = gate.new_zeros(gate.shape[1], shared)
+        zero = gate.new_zeros(config.shared_expert_intermediate_size, gate.shape[1])
+        out.update(mlp_tensors(prefix + "shared_expert.", GatedMlp(zero, zero, zero.T.contiguous())))
         out[prefix + "shared_expert_gate.weight"] = gate.new_ones(1, gate.shape[1])
     return out
