@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ class _SignalsWhenCollected:
     def __del__(self) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
-LOST = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost interrupt, printed
+class _FailsWhenCollected:
+    def __del__(self) -> None:
+        raise ValueError("a finaliser's own error")
 
 
-@LOST
 def test_a_signal_lost_in_a_finaliser_is_still_seen_at_the_next_safe_point():
     with interruptible():
         raise_if_interrupted()  # nothing asked yet
@@ -31,7 +33,19 @@ def test_a_signal_lost_in_a_finaliser_is_still_seen_at_the_next_safe_point():
     raise_if_interrupted()  # the request ends with the run it interrupted
 
 
-@LOST
+def test_the_lost_interrupt_is_not_printed_and_other_finaliser_errors_still_are(monkeypatch):
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: printed.append(type(unraisable.exc_value)))
+    with interruptible():
+        _SignalsWhenCollected()
+        _FailsWhenCollected()
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+    assert printed == [ValueError]
+    _FailsWhenCollected()
+    assert printed == [ValueError, ValueError]  # the run gave back the hook it found
+
+
 def test_training_stops_after_the_step_that_lost_the_signal():
     model = tiny_model("llama")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
