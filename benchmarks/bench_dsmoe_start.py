@@ -7,20 +7,22 @@ partitions SmolLM2-135M (the GGUF in ../shared/assets, d = 576) as DSMoE does, f
 WikiText-2 valid (the training text) for each N, and reports the start logits x Y of held-out text (the
 first 8 x 256 tokens of WikiText-2 raw test): the lowest over every layer and token, and the largest share
 of tokens at or below 0 in any layer. The conversion's own fit takes max(batch, ``FIT_TOKENS_PER_DIM`` x d)
-tokens. One JSON line per N, appended to ``--out``.
+tokens. One JSON line per N, appended to ``--out``; ``--markdown`` prints the table of ``--out``.
 
     python benchmarks/bench_dsmoe_start.py [--tokens 256,1024,2048,2304] [--out FILE.jsonl]
+    python benchmarks/bench_dsmoe_start.py --markdown
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
+from results_file import append_row, read_rows
 
 from moeify.calibration.data import TextSource, read_text, token_stream
 from moeify.loading import load_model
@@ -63,11 +65,26 @@ def fit_row(model: torch.nn.Module, tokenizer, calib: TextSource, stream: torch.
             "held_out_max_share_off": round(max(float((x <= 0).double().mean()) for x in logits), 4)}
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| fit tokens | lowest start logit, fitted tokens | lowest, held out | held-out tokens starting off, "
+             "worst layer |", "|---|---|---|---|"]
+    for row in rows:
+        default = ", the default here" if row["fit_tokens_per_d"] == FIT_TOKENS_PER_DIM else ""
+        lines.append(f"| {row['fit_tokens']:,} ({row['fit_tokens_per_d']:g} d{default}) | "
+                     f"{row['fitted_lowest_logit']:.2f} | {row['held_out_lowest_logit']:.2f} | "
+                     f"{100 * row['held_out_max_share_off']:.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="256,1024,2048,2304", help="fit token counts (multiples of 256)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_dsmoe_start.jsonl")
+    parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(read_rows(args.out)), end="")
+        return
     model, tokenizer = load_model(MODEL, dtype="float32")
     test = tokenizer(EVAL.read_text()[:40_000], return_tensors="pt").input_ids[0]
     held_out = test[:8 * SEQ_LEN].reshape(8, SEQ_LEN)
@@ -76,10 +93,7 @@ def main() -> None:
     calib = read_text(CALIB)
     stream = token_stream(calib, tokenizer)  # tokenised once for every N
     for tokens in (int(t) for t in args.tokens.split(",")):
-        row = fit_row(model, tokenizer, calib, stream, tokens, held_out)
-        print(json.dumps(row))
-        with args.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(args.out, fit_row(model, tokenizer, calib, stream, tokens, held_out))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
 }
 
 
-def _eval_file(chars: int, folder: Path) -> Path:
+def write_eval_prefix(chars: int, folder: Path) -> Path:
     """The evaluation prefix as its own file (its name says which prefix it is)."""
     path = folder / f"wikitext2_raw_test_first{chars}.txt"
     path.write_text(EVAL.read_text()[:chars])
@@ -289,7 +289,7 @@ def main() -> None:
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        eval_file = _eval_file(args.eval_chars, Path(tmp))
+        eval_file = write_eval_prefix(args.eval_chars, Path(tmp))
         for name in names:
             if name in _done(args.out):
                 print(f"{name}: already in {args.out}", file=sys.stderr)

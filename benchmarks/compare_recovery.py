@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
+from bench_real import CALIB, MODEL, write_eval_prefix  # this folder is on sys.path when run
 
 HERE = Path(__file__).resolve().parent
 EVAL_CHARS = 100_000
@@ -62,9 +62,8 @@ RUNS = {"kd": Run(METHODS, {}, HERE / "results" / "compare_recovery.jsonl", FIGU
 
 
 def command(run: Run, out: Path, extra: list[str]) -> list[str]:
-    eval_file = out.parent / f"wikitext2_raw_test_first{EVAL_CHARS}.txt"
-    eval_file.parent.mkdir(parents=True, exist_ok=True)
-    eval_file.write_text(EVAL.read_text()[:EVAL_CHARS])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    eval_file = write_eval_prefix(EVAL_CHARS, out.parent)
     options = {key: value for key, value in METHOD_OPTIONS.items() if key.split(".")[0] in run.methods}
     sets = [arg for key, value in {**options, **RECOVERY, **run.recovery}.items() for arg in ("--set", f"{key}={value}")]
     return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(run.methods), "--active", "0.5",

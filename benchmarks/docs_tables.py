@@ -24,7 +24,8 @@ RESULTS = "benchmarks/results"
 
 @dataclass(frozen=True)
 class Table:
-    """The markers' ``name``, the ``page`` that holds them and the benchmark command that prints the table."""
+    """The markers' ``name``, the ``page`` that holds them and the command that prints the table: a benchmark
+    script's and its arguments, or ``moeify`` and a CLI command's (a table computed from configs alone)."""
 
     name: str
     page: str
@@ -32,9 +33,13 @@ class Table:
 
     def printed(self) -> str:
         """The table as the benchmark prints it from its results file."""
-        done = subprocess.run([sys.executable, str(HERE / self.command[0]), *self.command[1:]], cwd=ROOT,
+        program = ["-m", "moeify"] if self.command[0] == "moeify" else [str(HERE / self.command[0])]
+        done = subprocess.run([sys.executable, *program, *self.command[1:]], cwd=ROOT,
                               capture_output=True, text=True, check=True)
         return done.stdout
+
+    def shown(self) -> str:
+        return " ".join(self.command) if self.command[0] == "moeify" else f"python benchmarks/{' '.join(self.command)}"
 
     def markers(self) -> tuple[str, str]:
         return f"<!-- {self.name}:start -->\n", f"<!-- {self.name}:end -->"
@@ -72,6 +77,10 @@ TABLES = (
     Table("bench_memory_layer_by_layer", "docs/scaling.md", ("bench_memory.py", "--markdown", "--layer-by-layer")),
     Table("bench_fsdp", "docs/scaling.md", ("bench_fsdp.py", "--markdown")),
     Table("bench_memory", "docs/scaling.md", ("bench_memory.py", "--markdown")),
+    Table("plan_table", "docs/scaling.md", ("moeify", "plan", "--table")),
+    Table("plan_table_layer_by_layer", "docs/scaling.md", ("moeify", "plan", "--table", "--layer-by-layer")),
+    Table("bench_dsmoe_start", "docs/methods/dsmoe.md", ("bench_dsmoe_start.py", "--markdown")),
+    Table("bench_more_sweep", "docs/methods/more.md", ("bench_more_sweep.py", "--markdown")),
     Table("serve_vllm", "docs/serving.md", ("serve_vllm.py", "--markdown")),
     Table("serve_vllm_speed", "docs/serving.md", ("serve_vllm.py", "--speed", "--markdown")),
     Table("serve_vllm_speed_dsmoe", "docs/serving.md", _speed("serve_vllm_speed_dsmoe.jsonl")),
@@ -95,7 +104,7 @@ def main() -> None:
                 table.write(printed)
     verb = "differs from its results file" if args.check else "rewritten from its results file"
     for table in stale:
-        print(f"{table.page}: {table.name} {verb} (python benchmarks/{' '.join(table.command)})")
+        print(f"{table.page}: {table.name} {verb} ({table.shown()})")
     sys.exit(1 if args.check and stale else 0)
 
 

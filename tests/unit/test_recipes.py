@@ -7,7 +7,7 @@ import pytest
 
 from moeify.cli.main import main
 from moeify.recipes import check_recipe, load_recipe, recipe_names
-from moeify.recipes.table import ordering
+from moeify.recipes.table import ordering, recipe_table, row_results
 
 STATIC = {"active_ratio": 0.5, "attention": "off", "calib_samples": 4, "seq_len": 32}
 
@@ -61,6 +61,13 @@ def test_ordering_counts_the_pairs_in_the_papers_order():
     assert "the paper, best first: most > half" in swapped
 
 
+def test_a_row_that_failed_shows_its_error_and_leaves_the_ordering():
+    table = recipe_table(check_recipe(recipe(), "r"), {"half": {"error": "APR 0.5 not reachable"}}, "m")
+    half = next(line for line in table.splitlines() if line.startswith("| half |"))
+    assert "failed: APR 0.5 not reachable" in half and "| 9.00 | 50.00 |" in half
+    assert "Fewer than two rows" in table
+
+
 def test_compare_runs_a_recipe_and_prints_it_beside_the_papers_figures(tmp_path, capsys):
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(recipe()))
@@ -77,6 +84,8 @@ def test_compare_runs_a_recipe_and_prints_it_beside_the_papers_figures(tmp_path,
     assert rows["other_paper"].count("not in moeify") == 1 and "7.00" in rows["other_paper"]
     assert "| 9.00 | 50.00 |" in rows["half"] and rows["most"].endswith("| 6.00 | - |")
     assert "pairs of rows in the paper's order" in table and table in capsys.readouterr().out
+    results = row_results(summaries)  # what a results file keeps: the table prints again from it alone
+    assert recipe_table(check_recipe(recipe(), "r"), json.loads(json.dumps(results)), "the embedded stories260K") == table
     assert main(["compare", "--recipe", str(path), "--methods", "cmoe", "--out", str(tmp_path / "x")]) == 2
     assert "--recipe names its rows' methods and options: leave out --methods and --apr" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

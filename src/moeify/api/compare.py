@@ -31,7 +31,7 @@ from moeify.loading import load_model
 from moeify.methods import Method, get_method
 from moeify.options import build_config
 from moeify.recipes import Recipe
-from moeify.recipes.table import recipe_table
+from moeify.recipes.table import recipe_table, row_results
 from moeify.training.recovery_options import RecoveryOptions
 
 
@@ -190,5 +190,5 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
         write_report(done, out / "report", overwrite=True)
     if recipe is not None:
         with atomic_file(out / RECIPE_TABLE) as tmp:
-            tmp.write_text(recipe_table(recipe, summaries, str(model or "the embedded stories260K")))
+            tmp.write_text(recipe_table(recipe, row_results(summaries), str(model or "the embedded stories260K")))
     return summaries

@@ -10,12 +10,21 @@ from moeify.evaluation.record import read_record
 from moeify.recipes import Recipe
 
 
-def _measured(summary: dict[str, Any] | None) -> dict[str, Any] | None:
-    """APR, perplexity and the dense perplexity of a finished row, from its record."""
-    if summary is None or "folder" not in summary:
-        return None
-    record = read_record(Path(summary["folder"]))
-    return {"apr": record["active"]["apr"], "ppl": record["metrics"]["ppl"], "dense_ppl": record["metrics"]["dense_ppl"]}
+def row_results(summaries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each run row's result, keyed by row name, from a comparison's summaries: the options it ran with (the
+    recipe's and any ``--set`` beside them), APR, perplexity, the dense perplexity and the conversion time from
+    its record; or the ``error`` that stopped it."""
+    results = {}
+    for summary in summaries:
+        name = summary.get("row", summary["method"])
+        if "folder" not in summary:
+            results[name] = {"error": summary.get("error", "not run")}
+            continue
+        record = read_record(Path(summary["folder"]))
+        results[name] = {"options": summary.get("options") or {}, "apr": record["active"]["apr"],
+                         "ppl": record["metrics"]["ppl"], "dense_ppl": record["metrics"]["dense_ppl"],
+                         "convert_s": record["timings"].get("convert_s")}
+    return results
 
 
 def _cell(value: float | None) -> str:
@@ -42,12 +51,11 @@ def ordering(recipe: Recipe, measured: dict[str, dict[str, Any]]) -> str:
                    f"\n- the paper, best first: {' > '.join(row.name for row in theirs)}")
 
 
-def recipe_table(recipe: Recipe, summaries: list[dict[str, Any]], model: str) -> str:
+def recipe_table(recipe: Recipe, results: dict[str, dict[str, Any]], model: str) -> str:
     """Markdown: every row of the recipe with moeify's APR, held-out perplexity and its ratio to the dense
     model's beside the paper's figures (a row moeify does not run shows the paper's alone), then the
-    ordering line."""
-    by_row = {s.get("row", s["method"]): s for s in summaries}
-    measured = {row.name: m for row in recipe.runs if (m := _measured(by_row.get(row.name))) is not None}
+    ordering line. ``results``: as ``row_results`` gives them."""
+    measured = {row.name: results[row.name] for row in recipe.runs if "ppl" in results.get(row.name, {})}
     keys = list(recipe.columns)
     head = ["row", "the paper's label", "method", "options", "APR", "PPL", "x dense PPL",
             *(f"paper: {recipe.columns[k]}" for k in keys)]
@@ -62,10 +70,10 @@ def recipe_table(recipe: Recipe, summaries: list[dict[str, Any]], model: str) ->
         if row.method is None:
             moeify = ["not in moeify", "-", "-", "-", "-"]
         elif ours is None:
-            error = by_row.get(row.name, {}).get("error", "not run")
+            error = results.get(row.name, {}).get("error", "not run")
             moeify = [row.method, _options(row.options), "-", f"failed: {error}", "-"]
-        else:  # the options it ran with: the recipe's and any --set beside them
-            moeify = [row.method, _options(by_row[row.name].get("options") or row.options), f"{ours['apr']:.3f}",
+        else:
+            moeify = [row.method, _options(ours["options"]), f"{ours['apr']:.3f}",
                       _cell(ours["ppl"]), _cell(ours["ppl"] / ours["dense_ppl"])]
         lines.append("| " + " | ".join([row.name, row.label, *moeify, *(_cell(row.paper.get(k)) for k in keys)])
                      + " |")
