@@ -109,14 +109,16 @@ def write_eval_prefix(chars: int, folder: Path) -> Path:
 
 
 def _attempts(method: str, options: dict[str, Any], model: Any) -> tuple[list[dict[str, Any]], str]:
-    """The options to convert with, in the order to try them (``moeify compare``'s), and how they were chosen."""
+    """The options to convert with, in the order to try them (``moeify compare``'s), and how they were chosen:
+    the matcher's for APR ``options["apr"]``, each with the row's other options beside (and over) them."""
     if "apr" not in options:
         return [options], "given"
     from moeify.arch import DecoderAdapter
     from moeify.methods import get_method
 
+    rest = {key: value for key, value in options.items() if key != "apr"}
     tries, how = get_method(method).match_budget(options["apr"], DecoderAdapter(model))
-    return tries, f"matched to APR {options['apr']}: {how}"
+    return [{**matched, **rest} for matched in tries], f"matched to APR {options['apr']}: {how}"
 
 
 def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
