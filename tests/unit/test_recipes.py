@@ -1,6 +1,7 @@
 """Recipes: each paper's table as rows of methods and options, validated before any work, run by
 ``moeify compare --recipe`` and printed beside the paper's figures."""
 
+import importlib
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from moeify.cli.main import main
 from moeify.recipes import check_recipe, load_recipe, recipe_names
 from moeify.recipes.table import ordering, recipe_table, row_results
 
+CONVERT = importlib.import_module("moeify.api.convert")  # the module, which the package's function shadows
 STATIC = {"active_ratio": 0.5, "attention": "off", "calib_samples": 4, "seq_len": 32}
 
 
@@ -68,12 +70,18 @@ def test_a_row_that_failed_shows_its_error_and_leaves_the_ordering():
     assert "Fewer than two rows" in table
 
 
-def test_compare_runs_a_recipe_and_prints_it_beside_the_papers_figures(tmp_path, capsys):
+def test_compare_runs_a_recipe_and_prints_it_beside_the_papers_figures(tmp_path, capsys, monkeypatch):
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(recipe()))
     out = tmp_path / "cmp"
+    evaluated = []
+    measure = CONVERT.perplexity
+    monkeypatch.setattr(CONVERT, "perplexity", lambda model, *a, **k: evaluated.append(model) or measure(model, *a, **k))
     assert main(["compare", "--recipe", str(path), "--out", str(out), "--set", "most.calib_samples=2",
                  "--set", "static_prune.seq_len=16"]) == 0
+    assert len(evaluated) == 2  # each row's MoE model; the dense one was measured once, by compare
+    records = [json.loads((out / row / "record.json").read_text()) for row in ("half", "most")]
+    assert records[0]["metrics"]["dense_eval"] == records[1]["metrics"]["dense_eval"]
     summaries = json.loads((out / "compare.json").read_text())
     assert [s["row"] for s in summaries] == ["half", "most"]
     assert summaries[1]["options"]["calib_samples"] == "2" and summaries[0]["options"]["calib_samples"] == 4

@@ -24,7 +24,8 @@ from moeify.api.convert import convert, save
 from moeify.api.recover import prepare_teacher_cache, recovery_identity
 from moeify.arch import DecoderAdapter
 from moeify.calibration.corpus import read_corpus
-from moeify.calibration.data import EMBEDDED_CALIB
+from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, read_text
+from moeify.evaluation.perplexity import perplexity
 from moeify.evaluation.record import read_record
 from moeify.files import OutputExistsError, atomic_file, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
@@ -176,6 +177,9 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
             prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,
                                   identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
                                   device=device, progress=progress)
+    # the dense perplexity once for every run (each run still times the dense model beside its own)
+    settings["dense_ppl"] = perplexity(dense, tokenizer, read_text(eval or EMBEDDED_EVAL),
+                                       eval_seq_len or dense.config.max_position_embeddings, progress=progress)
     runs = [MethodRun(method, name, attempts, how, settings, (options or {}).get(name, {}), recovery, out, resume)
             for method, name, attempts, how in _runs(methods, active, adapter, recipe)]
     del dense

@@ -56,9 +56,14 @@ def _routing_artifacts(routing: list[dict[str, Any]]) -> dict[str, bytes]:
 
 
 def _quality_and_speed(model: PreTrainedModel, tokenizer: Any, eval_source: TextSource, seq_len: int,
-                       measure_speed: bool, progress: bool) -> tuple[Perplexity, tuple[float, float] | None]:
-    with tracking_routing(model):
-        ppl = perplexity(model, tokenizer, eval_source, seq_len, progress=progress)
+                       measure_speed: bool, progress: bool,
+                       known: Perplexity | None = None) -> tuple[Perplexity, tuple[float, float] | None]:
+    """The model's perplexity (``known`` where it was measured on this text and window already) and speed."""
+    if known is not None and (known.sha256, known.seq_len) == (eval_source.sha256, seq_len):
+        ppl = known
+    else:
+        with tracking_routing(model):
+            ppl = perplexity(model, tokenizer, eval_source, seq_len, progress=progress)
     speed = forward_speed(model, *SPEED_SHAPE) if measure_speed else None
     return ppl, speed
 
@@ -171,7 +176,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
             seed: int = 0, device: str = "cpu", dtype: str | None = None, eval_seq_len: int | None = None,
             measure_speed: bool = True, progress: bool = False, work_dir: str | Path | None = None,
             check_memory: bool = True, layer_by_layer: bool = False, recover_milestones: tuple[int, ...] = (),
-            teacher_cache: str | Path | None = None, out: str | Path | None = None) -> ConversionResult:
+            teacher_cache: str | Path | None = None, out: str | Path | None = None,
+            dense_ppl: Perplexity | None = None) -> ConversionResult:
     """Convert a dense model with ``method`` and measure it against the dense model in the same run.
 
     ``calib``: the calibration/training text, a file, a folder or a list (large corpora are streamed from a
@@ -188,14 +194,17 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     whole model). ``recover_*`` options add a recovery after the method's own work (``moeify.api.recover``): its
     perplexity is also measured after each of ``recover_milestones`` tokens, and ``teacher_cache`` is where
     a top-k teacher cache is kept (default: ``work_dir``; ``moeify compare`` shares one among its methods).
-    ``out``: where the result will be saved; its disk must have room for the saved model.
+    ``out``: where the result will be saved; its disk must have room for the saved model. ``dense_ppl``: the
+    dense model's perplexity where the caller measured it already, in the same dtype on the same device
+    (``moeify compare`` does, once for all its runs); used when its text and window are this run's.
     Everything that can be validated is validated before the model's weights are loaded."""
     request = _validated(model, method, options, calib, eval, eval_seq_len, device, layer_by_layer, measure_speed)
     torch.manual_seed(seed)
     memory = _planned(request, dtype, device, check_memory, out)
     dense, tokenizer = load_model(model, device, dtype, layer_by_layer)
     eval_source, seq_len, speed = request.evals[0], request.seq_len, request.measure_speed
-    dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, speed, progress)
+    dense_quality, dense_speed = _quality_and_speed(dense, tokenizer, eval_source, seq_len, speed, progress,
+                                                    known=dense_ppl)
     work = None if work_dir is None else Path(work_dir)
     ctx = ConversionContext(dense, tokenizer, request.calib, seed, torch.device(device), progress, work)
     conversion, convert_s, scratch = _converted(request, ctx, work_dir)
