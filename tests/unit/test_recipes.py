@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from moeify.cli.compare_cmd import recipe_targets, split_options
 from moeify.cli.main import main
 from moeify.recipes import check_recipe, load_recipe, recipe_names
 from moeify.recipes.table import ordering, recipe_table, row_results
@@ -61,6 +62,15 @@ def test_ordering_counts_the_pairs_in_the_papers_order():
     swapped = ordering(table, {"half": {"ppl": 10.0}, "most": {"ppl": 12.0}})
     assert "0 of 1 pairs" in swapped and "moeify, best first: half > most" in swapped
     assert "the paper, best first: most > half" in swapped
+
+
+def test_a_method_prefix_sets_every_row_even_one_named_as_the_method():
+    rows = recipe()["rows"]
+    named = check_recipe(recipe(rows=[{**rows[0], "name": "static_prune"}, rows[1]]), "r")
+    targets = recipe_targets(named)
+    assert targets["static_prune"] == ["static_prune", "most"]
+    per_run, _ = split_options({"most.seq_len": "8", "static_prune.seq_len": "16"}, targets)
+    assert per_run == {"static_prune": {"seq_len": "16"}, "most": {"seq_len": "8"}}  # the row's own value wins
 
 
 def test_a_row_that_failed_shows_its_error_and_leaves_the_ordering():

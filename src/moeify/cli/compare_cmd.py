@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moeify.cli.common import add_device_arguments
+
+if TYPE_CHECKING:
+    from moeify.recipes import Recipe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +59,14 @@ def _recipe_names() -> list[str]:
     return recipe_names()
 
 
+def recipe_targets(recipe: Recipe) -> dict[str, list[str]]:
+    """What each ``--set`` prefix of a recipe's comparison sets: a method, all its rows; a row, itself. A row
+    named as its method (DSMoE's ``dsmoe``) is no target of its own: the name sets every row of the method."""
+    methods = {row.method for row in recipe.runs}
+    return {**{row.name: [row.name] for row in recipe.runs},
+            **{m: [row.name for row in recipe.runs if row.method == m] for m in sorted(methods)}}
+
+
 def split_options(pairs: dict[str, Any], targets: dict[str, list[str]]) -> tuple[dict[str, dict[str, Any]],
                                                                                   dict[str, Any]]:
     """``--set`` values of a comparison: ``TARGET.KEY`` for the runs ``targets`` names by that prefix (a
@@ -63,8 +74,12 @@ def split_options(pairs: dict[str, Any], targets: dict[str, list[str]]) -> tuple
     options, recovery options). A row's own value is taken over its method's."""
     per_run: dict[str, dict[str, Any]] = {run: {} for runs in targets.values() for run in runs}
     shared: dict[str, Any] = {}
+    def one_row(key: str) -> bool:
+        target = key.partition(".")[0]
+        return targets.get(target) == [target]
+
     # a method's values first, then a row's, which win
-    for key, value in sorted(pairs.items(), key=lambda item: item[0].partition(".")[0] in per_run):
+    for key, value in sorted(pairs.items(), key=lambda item: one_row(item[0])):
         target, dot, name = key.partition(".")
         if dot:
             if target not in targets:
@@ -94,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--recipe names its rows' methods and options: leave out --methods and --apr")
         recipe = load_recipe(args.recipe)  # validated whole, every row's options included
         methods = sorted({row.method for row in recipe.runs})
-        targets = {**{m: [row.name for row in recipe.runs if row.method == m] for m in methods},
-                   **{row.name: [row.name] for row in recipe.runs}}
+        targets = recipe_targets(recipe)
     else:
         names = args.methods or ",".join(m.name for m in METHODS)
         methods = [m.strip() for m in names.split(",") if m.strip()]
