@@ -6,7 +6,7 @@ A recipe holds the paper's setting, budgets included (ToMoE's 10,000 steps, DSMo
 ``--set``, and says so in every row. Calibration (and training) text: WikiText-2 valid; evaluation text:
 bench_real's (the first 100,000 characters of WikiText-2 raw test, 2048-token windows).
 
-    python benchmarks/bench_recipes.py [--recipes cmoe_table1,more_table10,...]  # convert and record
+    python benchmarks/bench_recipes.py [--recipes cmoe_table1,more_table10,...] [--resume]  # convert and record
     python benchmarks/bench_recipes.py --markdown RECIPE                          # RECIPE's table from the file
 """
 
@@ -32,7 +32,7 @@ EVAL_CHARS = 100_000
 BUDGETS: dict[str, dict[str, str]] = {
     "cmoe_table1": {"cmoe.finetune_samples": "32", "cmoe.finetune_seq_len": "512"},
     "more_table10": {},
-    "tomoe_table13": {"tomoe.steps": "40", "tomoe.checkpoint_every": "0"},
+    "tomoe_table1": {"tomoe.steps": "40", "tomoe.checkpoint_every": "0"},
     "dsmoe_table3": {"dsmoe.steps": "20", "dsmoe.batch_size": "8", "dsmoe.seq_len": "256",
                      "dsmoe.checkpoint_every": "0", "dsmoe.analyses": "false"},
     "dense2moe_table5": {"dense2moe.steps": "30", "dense2moe.warmup": "3", "dense2moe.seq_len": "256",
@@ -40,17 +40,19 @@ BUDGETS: dict[str, dict[str, str]] = {
 }
 
 
-def command(name: str, out: Path, eval_file: Path) -> list[str]:
+def command(name: str, out: Path, eval_file: Path, resume: bool) -> list[str]:
     sets = [arg for key, value in BUDGETS[name].items() for arg in ("--set", f"{key}={value}")]
     return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--recipe", name, "--out", str(out),
-            "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048", "--overwrite", *sets]
+            "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
+            "--resume" if resume else "--overwrite", *sets]
 
 
-def run(name: str) -> None:
-    """Convert every row of recipe ``name`` and append them to the results file (replacing its earlier rows)."""
+def run(name: str, resume: bool) -> None:
+    """Convert every row of recipe ``name`` (``resume``: but the rows an earlier run of it completed) and
+    append them to the results file, replacing its earlier rows."""
     MODELS.mkdir(parents=True, exist_ok=True)
     out = MODELS / name
-    argv = command(name, out, write_eval_prefix(EVAL_CHARS, MODELS))
+    argv = command(name, out, write_eval_prefix(EVAL_CHARS, MODELS), resume)
     subprocess.run(argv, check=True)
     results = row_results(json.loads((out / "compare.json").read_text()))
     kept = [row for row in read_rows(RESULTS) if row["recipe"] != name] if RESULTS.is_file() else []
@@ -73,6 +75,7 @@ def markdown(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", default=",".join(BUDGETS), help=f"comma-separated, of: {', '.join(BUDGETS)}")
+    parser.add_argument("--resume", action="store_true", help="keep the rows an interrupted run completed")
     parser.add_argument("--markdown", metavar="RECIPE", help="print RECIPE's table from the results file")
     args = parser.parse_args()
     if args.markdown:
@@ -83,7 +86,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--recipes: {', '.join(unknown)} not one of {', '.join(BUDGETS)}")
     for name in names:
-        run(name)
+        run(name, args.resume)
         print(markdown(name))
 
 
