@@ -119,9 +119,8 @@ def test_plan_cli_prints_phases_json_and_the_readme_table(capsys):
 
 
 def test_the_documented_plan_table_is_what_moeify_plan_prints():
-    readme = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
-    assert "\n".join("  " + line for line in table().splitlines()) in readme
-    assert "\n".join("  " + line for line in table(layer_by_layer=True).splitlines()) in readme
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    assert table() in page and table(layer_by_layer=True) in page
 
 
 @pytest.mark.parametrize("layer_by_layer", [False, True])
