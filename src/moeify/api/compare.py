@@ -177,11 +177,13 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
             prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,
                                   identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
                                   device=device, progress=progress)
-    # the dense perplexity once for every run (each run still times the dense model beside its own)
-    settings["dense_ppl"] = perplexity(dense, tokenizer, read_text(eval or EMBEDDED_EVAL),
-                                       eval_seq_len or dense.config.max_position_embeddings, progress=progress)
+    planned = _runs(methods, active, adapter, recipe)
+    if not (resume and all(_completed(out / name) for _, name, _, _ in planned)):
+        # the dense perplexity once for every run (each run still times the dense model beside its own)
+        settings["dense_ppl"] = perplexity(dense, tokenizer, read_text(eval or EMBEDDED_EVAL),
+                                           eval_seq_len or dense.config.max_position_embeddings, progress=progress)
     runs = [MethodRun(method, name, attempts, how, settings, (options or {}).get(name, {}), recovery, out, resume)
-            for method, name, attempts, how in _runs(methods, active, adapter, recipe)]
+            for method, name, attempts, how in planned]
     del dense
     if jobs == 1:
         summaries = [_run_method(run) for run in runs]

@@ -74,6 +74,7 @@ def split_options(pairs: dict[str, Any], targets: dict[str, list[str]]) -> tuple
     options, recovery options). A row's own value is taken over its method's."""
     per_run: dict[str, dict[str, Any]] = {run: {} for runs in targets.values() for run in runs}
     shared: dict[str, Any] = {}
+
     def one_row(key: str) -> bool:
         target = key.partition(".")[0]
         return targets.get(target) == [target]
