@@ -125,13 +125,15 @@ def test_compare_refuses_an_existing_out_resumes_complete_runs_and_replaces_only
     from moeify.files import OutputExistsError
 
     out = tmp_path / "cmp"
-    first = run_comparison(None, ["static_prune"], 0.5, out)
+    own = {"static_prune": {"finetune_seq_len": "64"}}  # as --set gives it
+    first = run_comparison(None, ["static_prune"], 0.5, out, options=own)
     record = out / "static_prune" / "record.json"
     written = record.stat().st_mtime_ns
     with pytest.raises(OutputExistsError, match=r"exists \(an earlier moeify output\); pass --overwrite"):
         run_comparison(None, ["static_prune"], 0.5, out)
-    again = run_comparison(None, ["static_prune"], 0.5, out, resume=True)
+    again = run_comparison(None, ["static_prune"], 0.5, out, resume=True, options=own)
     assert again[0]["resumed"] and again[0]["folder"] == first[0]["folder"]
+    assert again[0]["options"] == first[0]["options"]  # what was asked, not the whole config
     assert record.stat().st_mtime_ns == written  # not converted again
     (out / "cmoe").mkdir()  # a stale run of an earlier comparison
     (out / "cmoe" / ".moeify").write_text("written by moeify; --overwrite may replace this folder\n")

@@ -104,6 +104,22 @@ class MethodRun:
     resume: bool
 
 
+def _asked_of_record(run: MethodRun, config: dict[str, Any]) -> dict[str, Any]:
+    """The options a completed run was asked for, as a fresh run reports them: those of the first attempt that
+    its record's config holds (compared as parsed, since ``--set`` gives strings); the config itself, less the
+    run settings, where none does."""
+    config_cls = get_method(run.method).config_cls
+    for matched in run.attempts:
+        asked = {**matched, **run.options}
+        try:
+            parsed = build_config(config_cls, asked)
+        except ValueError:
+            continue
+        if all(config.get(key) == getattr(parsed, key) for key in asked if hasattr(parsed, key)):
+            return asked
+    return {key: value for key, value in config.items() if key not in ("seed", "device", "dtype")}
+
+
 def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
     """Convert (and recover) one method into ``out/<method>``, trying its option sets in order; its summary."""
     import torch
@@ -113,10 +129,8 @@ def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"method": run.method, "row": run.name, "matched": run.matched}
     folder, work = run.out / run.name, run.out / f"{run.name}.work"
     if run.resume and _completed(folder):
-        record = read_record(folder)
-        run_settings = ("seed", "device", "dtype")
-        summary.update(options={k: v for k, v in record["config"].items() if k not in run_settings},
-                       folder=str(folder), resumed=True)
+        summary.update(options=_asked_of_record(run, read_record(folder)["config"]), folder=str(folder),
+                       resumed=True)
         return summary
     for matched in run.attempts:
         asked = {**matched, **run.options}
