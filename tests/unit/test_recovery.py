@@ -287,7 +287,7 @@ def test_convert_refuses_a_recovery_layer_by_layer(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_recovers_every_method_with_one_budget_and_draws_the_curve(tmp_path, capsys):
+def test_compare_recovers_every_method_with_one_budget_and_resumes_only_that_budget(tmp_path, capsys):
     import json
 
     from moeify.cli.main import main
@@ -305,6 +305,13 @@ def test_compare_recovers_every_method_with_one_budget_and_draws_the_curve(tmp_p
     assert cmoe["config"]["calib_samples"] == 4 and cmoe["recovery"]["teacher"] == "cache"  # the second reads it
     assert len(list((out / "teacher_cache").glob("*.safetensors"))) == 1
     assert (out / "report" / "recovery.png").is_file()
+    written = (out / "cmoe" / "record.json").stat().st_mtime_ns
+    again = ["compare", "--methods", "cmoe", "--out", str(out), "--resume", "--set", "recover_seq_len=64",
+             "--set", "recover_top_k=16", "--set", "cmoe.calib_samples=4", "--set", "cmoe.seq_len=64"]
+    assert main([*again, "--recover-tokens", "512,1024"]) == 0  # the same recovery: kept
+    assert (out / "cmoe" / "record.json").stat().st_mtime_ns == written
+    assert main([*again, "--recover-tokens", "512"]) == 0  # another budget: recovered again
+    assert json.loads((out / "cmoe" / "record.json").read_text())["recovery"]["tokens"] == 512
     assert main(["compare", "--methods", "cmoe", "--out", str(tmp_path / "c2"), "--set", "spec=S1A1E8"]) == 2
     assert "name the method (METHOD.spec)" in capsys.readouterr().err
 

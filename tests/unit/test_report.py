@@ -120,7 +120,8 @@ def test_bench_measures_both_models(two_runs, tmp_path):
     assert result["ideal_speedup"] > 1  # 25 % of the MLP active
 
 
-def test_compare_refuses_an_existing_out_resumes_complete_runs_and_replaces_only_its_own(tmp_path):
+def test_compare_refuses_an_existing_out_resumes_complete_runs_of_its_options_and_replaces_only_its_own(
+        tmp_path):
     from moeify.api.compare import run_comparison
     from moeify.files import OutputExistsError
 
@@ -135,6 +136,10 @@ def test_compare_refuses_an_existing_out_resumes_complete_runs_and_replaces_only
     assert again[0]["resumed"] and again[0]["folder"] == first[0]["folder"]
     assert again[0]["options"] == first[0]["options"]  # what was asked, not the whole config
     assert record.stat().st_mtime_ns == written  # not converted again
+    other = {"static_prune": {"finetune_seq_len": "32"}}  # a completed run of other options is converted again
+    changed = run_comparison(None, ["static_prune"], 0.5, out, resume=True, options=other)
+    assert "resumed" not in changed[0] and changed[0]["options"]["finetune_seq_len"] == "32"
+    assert json.loads(record.read_text())["config"]["finetune_seq_len"] == 32
     (out / "cmoe").mkdir()  # a stale run of an earlier comparison
     (out / "cmoe" / ".moeify").write_text("written by moeify; --overwrite may replace this folder\n")
     (out / "notes.md").write_text("mine")  # a user's file among the runs

@@ -3,8 +3,8 @@ parameter ratio (APR over attention + MLP projections, MoRE Eq. 16), then one re
 
 Each method says how it is matched (``Method.match_budget``: the option sets to try in order), or why
 it cannot be (``Method.unmatched``; it then runs with its defaults and the report shows the APR it
-reached). An existing ``--out`` is refused unless ``--resume`` (complete runs are kept, the others run)
-or ``--overwrite`` (moeify's own earlier comparison is replaced whole).
+reached). An existing ``--out`` is refused unless ``--resume`` (complete runs of the options asked now are
+kept, the others run) or ``--overwrite`` (moeify's own earlier comparison is replaced whole).
 """
 
 from __future__ import annotations
@@ -71,8 +71,31 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> None:
     write_marker(out, "compare", files={})  # its runs carry their own markers
 
 
-def _completed(folder: Path) -> bool:
-    return (folder / "record.json").is_file()
+def _holds(config: dict[str, Any], config_cls: type, asked: dict[str, Any]) -> bool:
+    """Whether a record's ``config`` holds the options ``asked`` of ``config_cls``, compared as parsed since
+    ``--set`` gives strings."""
+    try:
+        parsed = build_config(config_cls, asked)
+    except ValueError:
+        return False
+    return all(config.get(key) == getattr(parsed, key) for key in asked if hasattr(parsed, key))
+
+
+def _kept_options(method: str, attempts: list[dict[str, Any]], options: dict[str, Any],
+                  recovery: dict[str, Any], folder: Path) -> dict[str, Any] | None:
+    """The options of a completed run in ``folder`` that a resumed comparison keeps: those of the first of
+    ``attempts`` (with ``options`` over it) that the run's record holds, with the recovery ``recovery`` asks
+    for (or none); None where no record exists or it holds other options, so that run is converted again."""
+    if not (folder / "record.json").is_file():
+        return None
+    record = read_record(folder)
+    recovered = record.get("recovery")
+    recovers = bool(recovery.get("recover_tokens"))
+    if recovers != bool(recovered) or (recovers and not _holds(recovered["options"], RecoveryOptions, recovery)):
+        return None
+    config_cls = get_method(method).config_cls
+    return next((asked for asked in ({**matched, **options} for matched in attempts)
+                 if _holds(record["config"], config_cls, asked)), None)
 
 
 def _resume_flags(method: Method, work: Path) -> dict[str, Any]:
@@ -104,22 +127,6 @@ class MethodRun:
     resume: bool
 
 
-def _asked_of_record(run: MethodRun, config: dict[str, Any]) -> dict[str, Any]:
-    """The options a completed run was asked for, as a fresh run reports them: those of the first attempt that
-    its record's config holds (compared as parsed, since ``--set`` gives strings); the config itself, less the
-    run settings, where none does."""
-    config_cls = get_method(run.method).config_cls
-    for matched in run.attempts:
-        asked = {**matched, **run.options}
-        try:
-            parsed = build_config(config_cls, asked)
-        except ValueError:
-            continue
-        if all(config.get(key) == getattr(parsed, key) for key in asked if hasattr(parsed, key)):
-            return asked
-    return {key: value for key, value in config.items() if key not in ("seed", "device", "dtype")}
-
-
 def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
     """Convert (and recover) one method into ``out/<method>``, trying its option sets in order; its summary."""
     import torch
@@ -128,9 +135,9 @@ def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
         torch.set_num_threads(threads)
     summary: dict[str, Any] = {"method": run.method, "row": run.name, "matched": run.matched}
     folder, work = run.out / run.name, run.out / f"{run.name}.work"
-    if run.resume and _completed(folder):
-        summary.update(options=_asked_of_record(run, read_record(folder)["config"]), folder=str(folder),
-                       resumed=True)
+    kept = _kept_options(run.method, run.attempts, run.options, run.recovery, folder) if run.resume else None
+    if kept is not None:
+        summary.update(options=kept, folder=str(folder), resumed=True)
         return summary
     for matched in run.attempts:
         asked = {**matched, **run.options}
@@ -192,11 +199,13 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
                                   identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
                                   device=device, progress=progress)
     planned = _runs(methods, active, adapter, recipe)
-    if not (resume and all(_completed(out / name) for _, name, _, _ in planned)):
+    row_options = {name: (options or {}).get(name, {}) for _, name, _, _ in planned}
+    if not (resume and all(_kept_options(method, attempts, row_options[name], recovery, out / name) is not None
+                           for method, name, attempts, _ in planned)):
         # the dense perplexity once for every run (each run still times the dense model beside its own)
         settings["dense_ppl"] = perplexity(dense, tokenizer, read_text(eval or EMBEDDED_EVAL),
                                            eval_seq_len or dense.config.max_position_embeddings, progress=progress)
-    runs = [MethodRun(method, name, attempts, how, settings, (options or {}).get(name, {}), recovery, out, resume)
+    runs = [MethodRun(method, name, attempts, how, settings, row_options[name], recovery, out, resume)
             for method, name, attempts, how in planned]
     del dense
     if jobs == 1:
