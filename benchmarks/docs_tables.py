@@ -82,7 +82,7 @@ TABLES = (
     Table("bench_dsmoe_start", "docs/methods/dsmoe.md", ("bench_dsmoe_start.py", "--markdown")),
     Table("bench_more_sweep", "docs/methods/more.md", ("bench_more_sweep.py", "--markdown")),
     *(Table(f"bench_recipes_{name}", f"docs/methods/{name.split('_')[0]}.md", ("bench_recipes.py", "--markdown", name))
-      for name in ("cmoe_table1", "dense2moe_table5", "dsmoe_table3", "more_table10")),
+      for name in ("cmoe_table1", "dense2moe_table5", "dsmoe_table3", "more_table10", "tomoe_table1")),
     Table("serve_vllm", "docs/serving.md", ("serve_vllm.py", "--markdown")),
     Table("serve_vllm_speed", "docs/serving.md", ("serve_vllm.py", "--speed", "--markdown")),
     Table("serve_vllm_speed_dsmoe", "docs/serving.md", _speed("serve_vllm_speed_dsmoe.jsonl")),
