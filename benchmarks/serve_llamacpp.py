@@ -250,8 +250,17 @@ def perplexity(path: Path, tokens: list[int], threads: int) -> dict[str, Any]:
 
 def speed(path: Path, prompt: list[int], threads: int, repeats: int) -> dict[str, Any]:
     """Batch-1 prompt processing (``len(prompt)`` tokens) and greedy generation (``SPEED_NEW`` tokens) in
-    tokens/s: the median of ``repeats`` runs, after one warm-up run."""
+    tokens/s: the median of ``repeats`` runs, after one warm-up run. Only the last position's logits are
+    computed, read from the context (llama-cpp-python keeps ``scores`` only with ``logits_all``)."""
+    import llama_cpp
+    import numpy as np
+
     llm = llama(path, len(prompt) + SPEED_NEW + 8, threads)
+    vocab = llm.n_vocab()
+
+    def next_token() -> int:
+        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())
+
     prefill, generate = [], []
     for _ in range(repeats + 1):
         llm.reset()
@@ -259,7 +268,7 @@ def speed(path: Path, prompt: list[int], threads: int, repeats: int) -> dict[str
         llm.eval(prompt)
         prompted = time.perf_counter()
         for _ in range(SPEED_NEW):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+            llm.eval([next_token()])
         done = time.perf_counter()
         prefill.append(len(prompt) / (prompted - began))
         generate.append(SPEED_NEW / (done - prompted))
