@@ -25,6 +25,12 @@ llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install /tmp/llama/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/serve_llamacpp.py [--rows dense,more,tomoe,cmoe,dense2moe] [--quants f32,f16,q8_0,q4_k_m]
     python benchmarks/serve_llamacpp.py --markdown    # the table of --out
+
+The docs' table came from three runs, the speed alone on the CPU:
+
+    python benchmarks/serve_llamacpp.py --quants f32 --measure agreement
+    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure agreement,perplexity
+    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed
 """
 
 from __future__ import annotations
