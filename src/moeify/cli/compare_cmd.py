@@ -47,8 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="methods converted at a time, each in its own process with an equal share of the CPU "
                              "threads (default 1)")
-    parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs are "
-                                                              "kept, the others run")
+    parser.add_argument("--resume", action="store_true", help="continue a comparison in --out: complete runs of "
+                                                              "the options asked now are kept, the others run")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
     parser.set_defaults(run=run)
 
