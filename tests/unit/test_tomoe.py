@@ -14,6 +14,7 @@ from moeify.methods.tomoe.convert import budget_threshold, convert, mlp_cost, wi
 from moeify.methods.tomoe.modules import KEEP_BIAS, st_gumbel_sigmoid, st_gumbel_softmax
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, f_reg, learned_masks
 from moeify.moe.accounting import activated_parameters
+from moeify.moe.attention.head_dim import pruned_attention
 from moeify.options import OptionError, build_config
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
@@ -131,12 +132,13 @@ def test_killed_conversion_resumes_to_the_uninterrupted_result(make_ctx, tmp_pat
 
 
 def test_bad_options_are_refused_before_any_work(make_ctx):
-    with pytest.raises(OptionError, match=r"attention='partial' is not allowed; choose one of: auto, on, off"):
+    with pytest.raises(OptionError, match=r"attention='partial' is not allowed; choose one of: auto, on, off, heads"):
         build_config(TomoeConfig, {"attention": "partial"})
     with pytest.raises(OptionError, match=r"active_ratio=0.0 is out of range"):
         build_config(TomoeConfig, {"active_ratio": "0"})
-    with pytest.raises(OptionError, match="attention=on is not possible for this model: .*use attention=off"):
-        converted("qwen3", make_ctx, attention="on")
+    for attention in ("on", "heads"):
+        with pytest.raises(OptionError, match=f"attention={attention} is not possible for this model: .*use attention=off"):
+            converted("qwen3", make_ctx, attention=attention)
     _, _, details = converted("qwen3", make_ctx)  # auto: the MLP only, and the record says why
     assert details["attention"] == "off" and "normalises query/key heads" in details["attention_blocked"]
     with pytest.raises(OptionError, match="resume=true needs a work folder"):
@@ -210,6 +212,56 @@ def test_without_vo_routing_the_attention_is_pruned_statically_and_meets_the_bud
     out = moeify.save(ConversionResult(ctx.model, tokenizer, {"method": "tomoe"}), tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(moeify.load(out)(IDS).logits, ctx.model(IDS).logits, atol=1e-5, rtol=0)
+
+
+def test_head_pruning_keeps_whole_key_value_heads_and_computes_what_training_masked(make_ctx, tokenizer, tmp_path):
+    """Table 13's "Head Pruning": one static mask over each layer's key/value heads (with their query heads),
+    learned as s_0. A mask that drops a head in training and the converted attention without that head
+    compute the same logits; the converted model meets the budget, saves, loads and exports exactly (the
+    dropped heads as zero heads)."""
+    from moeify.export.hf_export import EXPORTERS
+
+    dense, ctx, details = converted("llama", make_ctx, attention="heads", active_ratio=0.6)
+    pruned = [m for m in ctx.model.modules() if isinstance(m, PrunedAttention)]
+    assert len(pruned) == 2 and all(m.router is None and len(m.qk_index) == m.head_dim == len(m.vo_index)
+                                    for m in pruned)  # whole heads: every head dimension of a kept head
+    assert [m.num_kv_heads for m in pruned] == [layer["kv_heads"] for layer in details["layers"]]
+    counted = activated_parameters(ctx.model, measured=False)
+    assert counted.apr <= 0.6 and counted.apr == pytest.approx(0.6, abs=0.02)
+
+    fresh = make_ctx(clone(dense))
+    cfg = TomoeConfig(**{**FAST, "attention": "heads"})
+    theta = TomoeModules(fresh, cfg)
+    assert not any(hasattr(m, "proj_vo") or hasattr(m, "proj_qk") for m in theta.layers)
+    masked = MaskedModel(fresh, theta, cfg)
+    with torch.no_grad():
+        for layer in theta.layers:  # layer 0 drops key/value head 0 (query heads 0 and 1); layer 1 keeps both
+            layer.proj_heads[2].weight.zero_()
+            layer.proj_heads[2].bias.fill_(100.0)
+        theta.layers[0].proj_heads[2].bias[0] = -100.0
+        masked.set_embeddings(theta.hypernet())
+        for part in masked.attention:
+            part.noise = None
+        masked.set_enabled(False)  # the dense MLPs: only the attention masks act
+        for attention in masked.attention:
+            attention.enabled = True
+        with masked.recording():
+            trained = fresh.model(IDS).logits
+            assert [a.heads_kept.tolist() for a in masked.attention] == [[0.0, 1.0], [1.0, 1.0]]
+        masked.restore()
+        adapter = fresh.adapter
+        every = torch.arange(adapter.attention_module(0).head_dim)
+        adapter.replace_attention_(0, pruned_attention(adapter, 0, every, vo_index=every, kept_kv_heads=torch.tensor([1])))
+        assert adapter.attention_module(0).num_heads == 2 and adapter.attention_module(0).spec()["kept_kv_heads"] == [1]
+        torch.testing.assert_close(fresh.model(IDS).logits, trained, atol=1e-5, rtol=0)
+        assert not torch.allclose(trained, dense(IDS).logits, atol=1e-3)  # the head mattered
+
+    out = moeify.save(ConversionResult(fresh.model, tokenizer, {"method": "tomoe"}), tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(moeify.load(out)(IDS).logits, trained, atol=1e-5, rtol=0)
+        export = EXPORTERS["llama"].build(fresh.model)
+        assert export.model.config.num_attention_heads == 4  # the dropped heads are zero heads
+        torch.testing.assert_close(export.model(IDS).logits, trained, atol=1e-5, rtol=0)
 
 
 def test_local_embeddings_make_the_attention_masks_from_each_layers_own_vector(make_ctx):

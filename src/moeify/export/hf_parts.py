@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
+from moeify.moe.attention.head_dim import query_heads
 from moeify.runtime.attention import PrunedAttention
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import NotLinear, Router
@@ -303,11 +304,31 @@ def _scatter_rows(narrow: Tensor, groups: int, index: Tensor, head_dim: int) -> 
     return full.reshape(groups * head_dim, *narrow.shape[1:])
 
 
+def _scatter_heads(narrow: Tensor, kept: Tensor, heads: int, head_dim: int) -> Tensor:
+    """(heads * head_dim, ...) zeros with ``narrow``'s heads (len(kept) * head_dim, ...) at the heads ``kept``."""
+    full = narrow.new_zeros(heads, head_dim, *narrow.shape[1:])
+    full[kept] = narrow.reshape(len(kept), head_dim, *narrow.shape[1:])
+    return full.reshape(heads * head_dim, *narrow.shape[1:])
+
+
+def _dense_heads(attn: PrunedAttention) -> dict[str, tuple[Tensor, int]] | None:
+    """For an attention that kept some of the dense model's heads: per projection, the kept heads among the
+    dense ones and the dense count (q and o by query head, k and v by key/value head); None if it kept all."""
+    kept = attn.spec().get("kept_kv_heads")
+    if kept is None:
+        return None
+    dense_heads, dense_kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    kv = torch.tensor(kept)
+    q = query_heads(kv, dense_heads // dense_kv)
+    return {"q_proj": (q, dense_heads), "k_proj": (kv, dense_kv), "v_proj": (kv, dense_kv), "o_proj": (q, dense_heads)}
+
+
 def padded_attention(prefix: str, attn: PrunedAttention, static_dims: Tensor | None = None) -> dict[str, Tensor]:
     """A statically pruned attention's projections at the full head dimension, the pruned dimensions zero:
     zero query/key dimensions add nothing to the scores (RoPE rotates a kept pair into itself; the scaling
     is the dense 1/sqrt(head_dim) already), zero value dimensions add nothing to the output; the same
-    function, exactly, in the layout every format reads. Per-token value/output dimensions (ToMoE's
+    function, exactly, in the layout every format reads. Pruned heads come back as zero heads (zero value
+    and output: they add nothing). Per-token value/output dimensions (ToMoE's
     router) have no such layout: ``NotRepresentable``, unless ``static_dims`` gives the value/output
     dimensions every token keeps instead (an approximation, ``export.approximate``)."""
     hd, qk = attn.head_dim, attn.qk_index
@@ -331,6 +352,12 @@ def padded_attention(prefix: str, attn: PrunedAttention, static_dims: Tensor | N
     if attn.router is not None:
         o_weight = o_weight.view(attn.num_heads, hd, -1)[:, vo].flatten(0, 1)
     out[f"{prefix}o_proj.weight"] = _scatter_rows(o_weight, attn.num_heads, vo, hd).T
+    if (dense := _dense_heads(attn)) is not None:
+        for key in list(out):
+            kept, heads = dense[key.removeprefix(prefix).split(".")[0]]
+            rows = out[key].T if key.endswith("o_proj.weight") else out[key]
+            rows = _scatter_heads(rows, kept, heads, hd)
+            out[key] = rows.T.contiguous() if key.endswith("o_proj.weight") else rows
     if attn.o_proj.bias is not None:
         out[f"{prefix}o_proj.bias"] = attn.o_proj.bias.detach()
     return out

@@ -3,7 +3,9 @@
 Part of the runtime copied into every converted folder, like ``moe.py`` (only torch and transformers).
 
 ``PrunedAttention`` replaces a LLaMA-style attention (separate q/k/v/o projections, rotary embedding on
-the whole head): every head keeps the same head dimensions.
+the whole head): every head keeps the same head dimensions. It may keep fewer heads than the dense model
+(ToMoE's head pruning): whole key/value heads with their query heads, which the spec's ``kept_kv_heads``
+names among the dense model's (exports put them back in place, the others zero).
 
 - Query and key keep the static dimensions ``qk_index`` (ToMoE's s_0). RoPE rotates dimension i with
   i + head_dim/2, so ``qk_index`` must hold both dimensions of every pair it keeps (ToMoE Appendix A.2);

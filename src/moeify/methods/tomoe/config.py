@@ -23,9 +23,11 @@ class TomoeConfig(MethodOptions):
     num_experts: int = option(8, "N: experts per MLP (top-1 routed)", low=2)
     active_ratio: float = option(0.5, "p: activated share of the attention + MLP projections (Eq. 8)",
                                  low=0.0, high=1.0, low_open=True)
-    attention: Literal["auto", "on", "off"] = option(
+    attention: Literal["auto", "on", "off", "heads"] = option(
         "auto", "on: Q/K static + V/O top-K head-dim pruning; off: MLP experts only; auto: on where the model's "
-                "attention allows it (not where q/k are normalised over the whole head, as Qwen3 and Gemma-3 do)")
+                "attention allows it (not where q/k are normalised over the whole head, as Qwen3 and Gemma-3 do); "
+                "heads: whole key/value heads with their query heads pruned by one static mask per layer, learned "
+                "as s_0 (Table 13's 'Head Pruning', which the paper abandoned)")
     steps: int = option(600, "optimizer steps of the router/mask learning (the paper: 10,000)", low=1)
     lr: float = option(1e-3, "AdamW learning rate (constant)", low=0.0, low_open=True)
     weight_decay: float = option(0.05, "AdamW weight decay", low=0.0)

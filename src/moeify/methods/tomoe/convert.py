@@ -20,6 +20,9 @@
 - Attention: Q/K keep the dimensions of the noise-free s_0' (at least one pair); V/O become top-K routing,
   K = round(mean over calibration tokens of the noise-free s_t count, at least 1) (§3.3), with the mean expert
   embedding folded into Proj_E^MHA's bias (§3.5): a ``PrunedAttention`` with a ``HeadDimRouter``.
+  With head pruning (``attention=heads``, Table 13's abandoned variant, which the paper does not describe
+  further) the key/value heads whose noise-free mask passes theta (at least one) are kept whole with their
+  query heads: a ``PrunedAttention`` with fewer heads and no router.
 - Precision: a bfloat16/float16 model is held in float32 while Theta trains and the masks become modules
   (``frozen_weights=float32``, the default), so its conversion is the float32 conversion of the same
   weights, rounded. The paper trains over a frozen bfloat16 model; at a CPU budget of a few hundred steps
@@ -44,7 +47,7 @@ from moeify.methods.tomoe.config import EMBED_DIM, TomoeConfig
 from moeify.methods.tomoe.modules import KEEP_BIAS
 from moeify.methods.tomoe.train import MaskedModel, TomoeModules, learned_masks
 from moeify.moe.accounting import layer_attention_counts
-from moeify.moe.attention.head_dim import head_dim_support, pruned_attention, rope_pairs
+from moeify.moe.attention.head_dim import head_dim_support, head_group_costs, pruned_attention, rope_pairs
 from moeify.moe.experts.build import common_neurons_shared
 from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.plots import training_curves
@@ -60,8 +63,8 @@ def resolve_attention(ctx: ConversionContext, cfg: TomoeConfig) -> tuple[TomoeCo
     """``cfg`` with ``attention=auto`` made on or off for this model, and why attention cannot be on here
     (None: it can); ``attention=on`` where it cannot is refused."""
     blocker = head_dim_support(ctx.adapter, 0)
-    if cfg.attention == "on" and blocker:
-        raise OptionError(f"attention=on is not possible for this model: {blocker}; use attention=off")
+    if cfg.attention in ("on", "heads") and blocker:
+        raise OptionError(f"attention={cfg.attention} is not possible for this model: {blocker}; use attention=off")
     if cfg.attention == "auto":
         cfg = replace(cfg, attention="off" if blocker else "on")
     return cfg, blocker
@@ -151,6 +154,34 @@ class AttentionLogits:
         return pruned_projection_params(hidden, heads, kv_heads, 2 * len(self.kept_pairs(theta)), self.vo_top_k(theta),
                                         qkv_bias, o_bias)
 
+    def bounds(self) -> list[Tensor]:
+        return [self.qk_half, self.vo_tokens]
+
+
+@dataclass(frozen=True)
+class HeadLogits:
+    """One layer's noise-free head-pruning mask logits (b included), one per key/value head, and what a
+    kept head (with its query heads) and the layer's rest cost (``head_group_costs``)."""
+
+    heads: Tensor
+    per_group: int
+    fixed: int
+
+    def kept(self, theta: float) -> Tensor:
+        return _kept(self.heads, theta)
+
+    def cost(self, theta: float) -> int:
+        return len(self.kept(theta)) * self.per_group + self.fixed
+
+    def bounds(self) -> list[Tensor]:
+        return [self.heads]
+
+
+def _head_logits(adapter: Any, theta: TomoeModules, embeddings: Tensor) -> list[HeadLogits]:
+    """Every layer's noise-free head-pruning logits: static, so no calibration pass."""
+    return [HeadLogits(m.proj_heads(m.attention_embedding(embeddings[i])) + KEEP_BIAS, *head_group_costs(adapter, i))
+            for i, m in enumerate(theta.layers)]
+
 
 def _attention_logits(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, cfg: TomoeConfig,
                       seq_len: int, embeddings: Tensor) -> list[AttentionLogits]:
@@ -183,14 +214,18 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
     with torch.no_grad():
         embeddings = theta.hypernet()
         masked.set_embeddings(embeddings)
-        attention = _attention_logits(ctx, theta, masked, cfg, seq_len, embeddings) if masked.attention else []
+        attention: list[AttentionLogits] | list[HeadLogits] = []
+        if cfg.attention == "heads":
+            attention = _head_logits(adapter, theta, embeddings)
+        elif masked.attention:
+            attention = _attention_logits(ctx, theta, masked, cfg, seq_len, embeddings)
         masked.restore()
         output_biases = sum(0 if w.down_bias is None else w.down_bias.numel() for w in masked.weights)
         all_logits = [m.proj_mlp(embeddings[i]) + KEEP_BIAS for i, m in enumerate(theta.layers)]
         mlps = mlp_cost(all_logits, [w.params_per_neuron() for w in masked.weights])
         if attention:  # one threshold over attention and MLP masks, as R_P counts both
             cost = lambda t: mlps(t) + sum(a.cost(t) for a in attention)  # noqa: E731
-            bounds = all_logits + [x for a in attention for x in (a.qk_half, a.vo_tokens)]
+            bounds = all_logits + [x for a in attention for x in a.bounds()]
             theta_ = budget_threshold(cost, bounds, cfg.active_ratio * masked.total - output_biases)
         else:
             dense_attention = sum(layer_attention_counts(adapter, i, measured=False)[1]
@@ -215,11 +250,17 @@ def convert_(ctx: ConversionContext, theta: TomoeModules, masked: MaskedModel, c
     return {"layers": layers, "mask_threshold": theta_}
 
 
-def _prune_attention_(adapter: Any, i: int, modules: Any, embedding: Tensor, logits: AttentionLogits,
+def _prune_attention_(adapter: Any, i: int, modules: Any, embedding: Tensor, logits: AttentionLogits | HeadLogits,
                       theta: float) -> dict[str, int]:
     """Layer i's attention with the Q/K pairs kept at ``theta`` (s_0 over the first half of the head,
-    Appendix A.2) and the V/O top-K router, or the static V/O dimensions without V/O routing."""
+    Appendix A.2) and the V/O top-K router, or the static V/O dimensions without V/O routing; with head
+    pruning, the key/value heads kept at ``theta`` (at least one) with their query heads, whole."""
     attn = adapter.attention_module(i)
+    if isinstance(logits, HeadLogits):
+        kept = logits.kept(theta)
+        every = torch.arange(attn.head_dim)
+        adapter.replace_attention_(i, pruned_attention(adapter, i, every, vo_index=every, kept_kv_heads=kept))
+        return {"kv_heads": len(kept), "dense_kv_heads": len(logits.heads)}
     qk_index = rope_pairs(logits.kept_pairs(theta), attn.head_dim)
     sizes = {"qk_dims": len(qk_index), "head_dim": attn.head_dim}
     if not modules.vo_routing:

@@ -5,13 +5,16 @@
   gives E its inter-layer dependencies; z is (L, N, 32): the paper's N x 32 per layer.
 - ``LayerModules``: per layer, Router = Linear(d, N) (no bias: see ``tomoe``), Proj_D^MLP = LayerNorm ->
   GeLU -> Linear(128, d_mid), and with attention Proj_E^MHA = Linear(d, 128), Proj_D^MHA (head_dim) for
-  the per-token V/O mask s_t and Proj_D^MHA (head_dim / 2) for the static Q/K mask s_0 (Appendix A.1).
+  the per-token V/O mask s_t and Proj_D^MHA (head_dim / 2) for the static Q/K mask s_0 (Appendix A.1);
+  with head pruning one Proj_D (key/value heads) in their place.
 - ``st_gumbel_sigmoid`` (Eq. 15) and ``st_gumbel_softmax`` (Eq. 14): hard 0/1 and one-hot forward values,
   the soft sample's gradient (straight-through).
 - ``MaskedMLP`` replaces a dense MLP during training: every token is routed (G, one-hot, Eq. 3) and its
   hidden neurons masked by s = ST-GSig(Proj_D^MLP(G E)) (Eq. 2-3); the dense weights stay frozen.
 - ``AttentionMasks`` puts hooks on a LLaMA-style attention: q/k outputs times s_0' (s_0's first half
-  repeated, Appendix A.2), v outputs and the o_proj input times s_t (Eq. 4-5).
+  repeated, Appendix A.2), v outputs and the o_proj input times s_t (Eq. 4-5); with head pruning
+  (``attention=heads``, Table 13) the o_proj input of each key/value head's query heads times one static
+  mask over the key/value heads, drawn from Proj_D(attention embedding) as s_0 is.
 Both switch off (``enabled = False``) for the in-place teacher pass (Listing 1). Both keep the token
 statistics the regularisers read only while ``recording``: a decoder layer recomputed in the backward pass
 (``training/recompute.py``) runs them again, and statistics kept from that pass would hold its graph, and
@@ -94,20 +97,23 @@ class LayerModules(nn.Module):
     """Theta of one decoder layer (see the module docstring)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, head_dim: int | None,
-                 vo_routing: bool = True, local: bool = False) -> None:
+                 vo_routing: bool = True, local: bool = False, kv_heads: int | None = None) -> None:
         super().__init__()
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.proj_mlp = projection(intermediate_size)
-        self.attention = head_dim is not None
-        self.vo_routing = vo_routing
+        self.head_pruning = kv_heads is not None
+        self.attention = head_dim is not None or self.head_pruning
+        self.vo_routing = vo_routing and not self.head_pruning
         self.local_embedding: nn.Parameter | None = None
-        if self.attention:
+        if self.head_pruning:  # Table 13's "Head Pruning": one static mask over the key/value heads
+            self.proj_heads = projection(kv_heads)
+        elif self.attention:
             if vo_routing:  # Proj_E of Eq. 5 reads the token
                 self.proj_e = nn.Linear(hidden_size, EMBED_DIM)
             self.proj_vo = projection(head_dim)
             self.proj_qk = projection(head_dim // 2)
-            if local:  # Table 13's "Local Emb": the attention's own embedding in place of (1/N) 1^T E
-                self.local_embedding = nn.Parameter(torch.randn(EMBED_DIM))
+        if self.attention and local:  # Table 13's "Local Emb": the attention's own embedding, not (1/N) 1^T E
+            self.local_embedding = nn.Parameter(torch.randn(EMBED_DIM))
 
     def attention_embedding(self, experts: Tensor) -> Tensor:
         """What this layer's attention masks are made from: (1/N) 1^T E of the expert embeddings ``experts``
@@ -166,9 +172,17 @@ class AttentionMasks:
         self.tokens_kept: Tensor | None = None
         self.token_logits: Tensor | None = None
         self.qk_kept: Tensor | None = None
+        self.heads_kept: Tensor | None = None
         self._qk_masks: Tensor | None = None
         self._token_masks: Tensor | None = None
-        self._handles: list[RemovableHandle] = [
+        self._head_masks: Tensor | None = None
+        if modules.head_pruning:  # a pruned head adds nothing to the output: its output projection's input is 0
+            self._groups = projections["q"].out_features // projections["k"].out_features
+            self._handles: list[RemovableHandle] = [attn.register_forward_pre_hook(self._masks, with_kwargs=True),
+                             attn.register_forward_hook(self._forget),
+                             projections["o"].register_forward_pre_hook(lambda _m, args: (self._drop_heads(args[0]),))]
+            return
+        self._handles = [
             attn.register_forward_pre_hook(self._masks, with_kwargs=True),
             attn.register_forward_hook(self._forget),
             projections["q"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._qk_masks)),
@@ -182,6 +196,12 @@ class AttentionMasks:
             return
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         m = self.modules_
+        if m.head_pruning:  # one static mask over the key/value heads, drawn as s_0 is
+            self._head_masks = st_gumbel_sigmoid(m.proj_heads(self.embedding), self.tau, self.noise,
+                                                 ("head_mask", self.layer), per_window=False)
+            if self.recording:
+                self.heads_kept = self._head_masks
+            return
         half = st_gumbel_sigmoid(m.proj_qk(self.embedding), self.tau, self.noise, ("qk_mask", self.layer),
                                  per_window=False)                                       # s_0: Eq. 5 at t = 0
         self._qk_masks = torch.cat([half, half])                                         # Appendix A.2
@@ -200,7 +220,15 @@ class AttentionMasks:
 
     def _forget(self, *_: object) -> None:
         """The pass's masks go with it (they hold its graph)."""
-        self._qk_masks = self._token_masks = None
+        self._qk_masks = self._token_masks = self._head_masks = None
+
+    def _drop_heads(self, out: Tensor) -> Tensor:
+        """The attention output (..., heads x head_dim) with each key/value head's query heads times its mask."""
+        if not self.enabled:
+            return out
+        heads = out.view(*out.shape[:-1], -1, self.head_dim)
+        mask = self._head_masks.repeat_interleave(self._groups).to(out.dtype)
+        return (heads * mask[:, None]).view(out.shape)
 
     def _apply(self, out: Tensor, mask: Tensor) -> Tensor:
         if not self.enabled:

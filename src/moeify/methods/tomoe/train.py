@@ -8,7 +8,8 @@ distillation, Listing 1); the student pass routes and masks; then
 - R_P (Eq. 8): f_reg(T(d_MoE), p T_total), f_reg(x, y) = log(max(x, y) / min(x, y)); T counts the
   projections a token uses: per layer the MLP at its widest expert, max_i sum s_e^i (s_e from Eq. 11 with
   its own Gumbel sample), and, with attention, Q/K at the kept width sum s_0' and V/O at the mean over
-  tokens of sum s_t (the per-token width; K after training is its rounded mean, §3.3). T_total counts
+  tokens of sum s_t (the per-token width; K after training is its rounded mean, §3.3), or with head
+  pruning the kept key/value heads' projections (each with its query heads). T_total counts
   the dense projections (the accounting of ``moe.accounting``), so p is the activated-parameter ratio.
 - R_U (Eq. 7): mean over the union terms of f_reg(sum u / |u|, 1); MLP unions over the N experts' s_e
   (Eq. 16), attention unions over the batch's tokens' s_t (Eq. 6). The static s_0 has no union to grow.
@@ -35,7 +36,7 @@ from moeify.methods.tomoe.modules import (
     MaskedMLP,
     st_gumbel_sigmoid,
 )
-from moeify.moe.attention.head_dim import head_dim_costs
+from moeify.moe.attention.head_dim import attention_geometry, head_dim_costs, head_group_costs
 from moeify.training.distributed import gathered
 from moeify.training.loop import TrainPlan, train
 from moeify.training.losses import distillation_kl, final_hidden_states, lm_loss
@@ -57,7 +58,8 @@ class TomoeModules(nn.Module):
         self.layers = nn.ModuleList(
             LayerModules(adapter.mlp(i).hidden_size, adapter.mlp(i).intermediate_size, cfg.num_experts,
                          adapter.attention_module(i).head_dim if cfg.attention == "on" else None,
-                         vo_routing=cfg.vo_routing, local=cfg.embeddings == "local")
+                         vo_routing=cfg.vo_routing, local=cfg.embeddings == "local",
+                         kv_heads=attention_geometry(adapter, i)[2] if cfg.attention == "heads" else None)
             for i in range(adapter.num_layers))
 
 
@@ -72,7 +74,7 @@ class MaskedModel:
         self.mlps = [MaskedMLP(w, m, cfg.tau, cfg.mask_noise, layer=i)
                      for i, (w, m) in enumerate(zip(self.weights, theta.layers))]
         self.attention = []
-        if cfg.attention == "on":
+        if cfg.attention in ("on", "heads"):
             self.attention = [AttentionMasks(adapter.attention_module(i), adapter.attention_projections(i), m,
                                              cfg.tau, cfg.mask_noise, layer=i) for i, m in enumerate(theta.layers)]
         self.total = sum(adapter.attention_params(i) + w.num_params for i, w in enumerate(self.weights))
@@ -115,7 +117,7 @@ class MaskedModel:
             for mlp in self.mlps:
                 mlp.hard = mlp.soft = None
             for masks in self.attention:
-                masks.qk_kept = masks.tokens_kept = None
+                masks.qk_kept = masks.tokens_kept = masks.heads_kept = None
 
     def regularisers(self, embeddings: Tensor) -> dict[str, Tensor]:
         """R_P, R_U, R_L of the student pass recorded (``recording``), and the activated ratio T / T_total
@@ -125,11 +127,12 @@ class MaskedModel:
         adapter = self.ctx.adapter
         n = self.cfg.num_experts
         routed = [(mlp.hard.reshape(-1, n), mlp.soft.reshape(-1, n)) for mlp in self.mlps]
+        per_token = [masks for masks in self.attention if masks.tokens_kept is not None]  # not head pruning
         counts, shares, widths, kept = batch_statistics(
             torch.tensor([float(len(routed[0][0]))], device=embeddings.device),
             torch.stack([torch.stack([hard.sum(0), soft.sum(0)]) for hard, soft in routed]),
-            [masks.tokens_kept.sum(dim=1).sum() for masks in self.attention],
-            [torch.prod(1 - masks.tokens_kept, dim=0) for masks in self.attention])
+            [masks.tokens_kept.sum(dim=1).sum() for masks in per_token],
+            [torch.prod(1 - masks.tokens_kept, dim=0) for masks in per_token])
         tokens = counts[0]
         active, unions, balance = [], [], []
         for i, (mlp, weights) in enumerate(zip(self.mlps, self.weights)):
@@ -140,6 +143,10 @@ class MaskedModel:
             f, p = shares[i] / tokens                                                # F_i, P_i over the tokens
             balance.append(n * (f * p).sum())                                          # Eq. 9
         for i, masks in enumerate(self.attention):
+            if masks.heads_kept is not None:  # head pruning: whole key/value heads with their query heads
+                per_group, fixed = head_group_costs(adapter, i)
+                active.append(masks.heads_kept.sum() * per_group + fixed)
+                continue
             per_qk, per_vo, fixed = head_dim_costs(adapter, i)
             active.append(masks.qk_kept.sum() * per_qk + widths[i] / tokens * per_vo + fixed)
             if self.cfg.vo_routing:  # a static V/O mask, like s_0, has no union to grow

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from moeify.arch import DecoderAdapter
-from moeify.runtime.attention import PrunedAttention
+from moeify.runtime.attention import PrunedAttention, pruned_projection_params
 
 _ROLES = ("q", "k", "v", "o")
 
@@ -47,6 +47,11 @@ def _geometry(projections: dict[str, nn.Linear], head_dim: int) -> tuple[int, in
             projections["k"].out_features // head_dim)
 
 
+def attention_geometry(adapter: DecoderAdapter, i: int) -> tuple[int, int, int]:
+    """(d, query heads, key/value heads) of layer ``i``'s attention."""
+    return _geometry(adapter.attention_projections(i), adapter.attention_module(i).head_dim)
+
+
 def head_dim_costs(adapter: DecoderAdapter, i: int) -> tuple[int, int, int]:
     """Projection parameters of layer ``i``'s LLaMA-style attention per kept query/key dimension (q and k
     rows of every head), per kept value/output dimension (v rows, o columns) and independent of the head
@@ -58,16 +63,35 @@ def head_dim_costs(adapter: DecoderAdapter, i: int) -> tuple[int, int, int]:
     return qk, vo, d if p["o"].bias is not None else 0
 
 
-def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor) -> Tensor:
-    """The rows of a (heads x head_dim, ...) projection at ``index`` within every head."""
-    return weight.reshape(heads, head_dim, *weight.shape[1:])[:, index].reshape(heads * len(index), *weight.shape[1:])
+def head_group_costs(adapter: DecoderAdapter, i: int) -> tuple[int, int]:
+    """Projection parameters of layer ``i``'s LLaMA-style attention per key/value head kept whole with its
+    query heads (q, k, v rows and o columns of the group), and independent of the heads (the output
+    projection's bias): what a head-pruning budget (ToMoE's R_P with ``attention=heads``) counts."""
+    p, hd = adapter.attention_projections(i), adapter.attention_module(i).head_dim
+    d, heads, kv_heads = _geometry(p, hd)
+    return (pruned_projection_params(d, heads // kv_heads, 1, hd, hd, p["q"].bias is not None, False),
+            d if p["o"].bias is not None else 0)
+
+
+def query_heads(kv_heads: Tensor, groups: int) -> Tensor:
+    """The query heads that read the key/value heads ``kv_heads`` (``groups`` query heads each, in order)."""
+    return (kv_heads[:, None] * groups + torch.arange(groups)).flatten()
+
+
+def _rows(weight: Tensor, heads: int, head_dim: int, index: Tensor, kept_heads: Tensor | None = None) -> Tensor:
+    """The rows of a (heads x head_dim, ...) projection at ``index`` within every head (of ``kept_heads``
+    only, when given)."""
+    per_head = weight.reshape(heads, head_dim, *weight.shape[1:])
+    if kept_heads is not None:
+        per_head = per_head[kept_heads]
+    return per_head[:, index].reshape(len(per_head) * len(index), *weight.shape[1:])
 
 
 def pruned_attention(adapter: DecoderAdapter, i: int, qk_index: Tensor, vo_index: Tensor | None = None,
-                     router: nn.Module | None = None) -> PrunedAttention:
+                     router: nn.Module | None = None, kept_kv_heads: Tensor | None = None) -> PrunedAttention:
     """A ``PrunedAttention`` with the weights of layer ``i``'s attention at the kept head dimensions:
     ``qk_index`` for query/key (pairs, see ``rope_pairs``), and ``vo_index`` (static) or ``router`` (top-K
-    per token)."""
+    per token); ``kept_kv_heads``: the key/value heads kept, each with its query heads (all when None)."""
     reason = head_dim_support(adapter, i)
     if reason is not None:
         raise ValueError(f"cannot prune the head dimension: {reason}")
@@ -75,21 +99,27 @@ def pruned_attention(adapter: DecoderAdapter, i: int, qk_index: Tensor, vo_index
         raise ValueError("give exactly one of vo_index (static) and router (top-K per token)")
     attn, p = adapter.attention_module(i), adapter.attention_projections(i)
     head_dim = attn.head_dim
-    d, heads, kv_heads = _geometry(p, head_dim)
+    d, dense_heads, dense_kv_heads = _geometry(p, head_dim)
+    kv_kept = torch.arange(dense_kv_heads) if kept_kv_heads is None else kept_kv_heads.sort().values
+    q_kept = query_heads(kv_kept, dense_heads // dense_kv_heads)
+    heads, kv_heads = len(q_kept), len(kv_kept)
     spec = {"hidden_size": d, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
             "qk_index": qk_index.tolist(), "vo_index": None if vo_index is None else vo_index.sort().values.tolist(),
             "router": None if router is None else router.spec(), "bias": p["q"].bias is not None,
             "o_bias": p["o"].bias is not None, "sliding_window": getattr(attn, "sliding_window", None),
             "dense_params": sum(t.numel() for proj in p.values() for t in proj.parameters())}
+    if kept_kv_heads is not None:  # which of the dense model's heads these are: exports put them back in place
+        spec["kept_kv_heads"] = kv_kept.tolist()
     new = PrunedAttention(spec, attn.config, attn.layer_idx).to(p["q"].weight)
     vo = torch.arange(head_dim) if vo_index is None else torch.tensor(spec["vo_index"])
     with torch.no_grad():
-        for role, proj, heads_of, index in (("q", new.q_proj, heads, qk_index), ("k", new.k_proj, kv_heads, qk_index),
-                                            ("v", new.v_proj, kv_heads, vo)):
-            proj.weight.copy_(_rows(p[role].weight, heads_of, head_dim, index))
+        for role, proj, heads_of, kept, index in (("q", new.q_proj, dense_heads, q_kept, qk_index),
+                                                  ("k", new.k_proj, dense_kv_heads, kv_kept, qk_index),
+                                                  ("v", new.v_proj, dense_kv_heads, kv_kept, vo)):
+            proj.weight.copy_(_rows(p[role].weight, heads_of, head_dim, index, kept))
             if p[role].bias is not None:
-                proj.bias.copy_(_rows(p[role].bias, heads_of, head_dim, index))
-        new.o_proj.weight.copy_(_rows(p["o"].weight.t(), heads, head_dim, vo).t())
+                proj.bias.copy_(_rows(p[role].bias, heads_of, head_dim, index, kept))
+        new.o_proj.weight.copy_(_rows(p["o"].weight.t(), dense_heads, head_dim, vo, q_kept).t())
         if p["o"].bias is not None:
             new.o_proj.bias.copy_(p["o"].bias)
         if router is not None:
