@@ -9,13 +9,16 @@ export --format gguf`` in every ``--quants``. Per row
 and quantisation, one JSON line in ``--out``:
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
-  token ids, against moeify's native model (float32); then, teacher-forced on the native sequences,
+  token ids, against moeify's native model (float32), the f32 file with a float32 KV cache (``--kv-cache``:
+  llama.cpp's default f16 cache rounds keys and values, and a routing near-tie then goes the other way:
+  the file is what is measured); then, teacher-forced on the native sequences,
   llama.cpp's logits at every position against the native model's (largest difference, argmax differences,
   the native top-2 margin where they part; for a routed model the smallest routing-score gap where the
   difference is largest, a routing near-tie that llama.cpp's rounding breaks the other way);
 - perplexity through llama.cpp on the bench_real text (first 100,000 characters of WikiText-2 raw test, BOS
   once, non-overlapping 2048-token windows, each window's first token unscored: bench_real's protocol);
-- speed at batch 1, the CPU to itself: prompt processing of a 512-token prompt and generation of 128 tokens
+- speed at batch 1, the CPU to itself (perplexity and speed with llama.cpp's default f16 KV cache for every
+  file but f32): prompt processing of a 512-token prompt and generation of 128 tokens
   (tokens/s, median of ``--repeats``), with ``--threads`` threads.
 
 The conversions read the SmolLM2 GGUF itself, so the exports carry its tokenizer section as it is.
@@ -26,9 +29,10 @@ llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
     python benchmarks/serve_llamacpp.py [--rows dense,more,tomoe,cmoe,dense2moe] [--quants f32,f16,q8_0,q4_k_m]
     python benchmarks/serve_llamacpp.py --markdown    # the table of --out
 
-The docs' table came from three runs, the speed alone on the CPU:
+The docs' table came from four runs, the speed alone on the CPU:
 
     python benchmarks/serve_llamacpp.py --quants f32 --measure agreement
+    python benchmarks/serve_llamacpp.py --rows dense,more,tomoe --quants f32 --measure agreement --kv-cache f16
     python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure agreement,perplexity
     python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed
 """
@@ -151,21 +155,28 @@ def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama
                           "differing_keys": differing}}
 
 
-def llama(path: Path, n_ctx: int, threads: int, logits_all: bool = False) -> Any:
-    from llama_cpp import Llama
+def kv_cache_type(quant: str, asked: str) -> str:
+    """The KV cache's type for a file in ``quant``: ``asked``, or for ``auto`` float32 with an f32 file (so
+    the file alone is measured against the native float32 model) and llama.cpp's default f16 otherwise."""
+    return asked if asked != "auto" else "f32" if quant == "f32" else "f16"
 
+
+def llama(path: Path, n_ctx: int, threads: int, kv_cache: str, logits_all: bool = False) -> Any:
+    from llama_cpp import GGML_TYPE_F16, GGML_TYPE_F32, Llama
+
+    kv = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16}[kv_cache]
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, logits_all=logits_all,
-                 verbose=False, seed=0)
+                 verbose=False, seed=0, type_k=kv, type_v=kv)
 
 
-def llama_runs(path: Path, ids: list[list[int]], expected: list[list[int]],
-               threads: int) -> tuple[list[list[int]], list[Tensor], bool]:
+def llama_runs(path: Path, ids: list[list[int]], expected: list[list[int]], threads: int,
+               kv_cache: str) -> tuple[list[list[int]], list[Tensor], bool]:
     """llama.cpp's greedy continuations of ``ids`` as long as ``expected``'s (EOS not special), its
     teacher-forced logits on the ``expected`` tokens, and whether any logit was NaN."""
     import numpy as np
     import torch
 
-    llm = llama(path, 256, threads, logits_all=True)
+    llm = llama(path, 256, threads, kv_cache, logits_all=True)
     greedy, forced, nan = [], [], False
     for prompt, tokens in zip(ids, expected):
         llm.reset()
@@ -216,29 +227,34 @@ def routing_gaps(model: nn.Module, prompt: list[int], tokens: list[int], positio
             "median_router_gap": float(smallest.median())}
 
 
-def agreement(row: str, path: Path, work: Path, eval_text: Path, ids: list[list[int]], threads: int) -> dict[str, Any]:
-    """llama.cpp's greedy tokens and teacher-forced logits against the native model's (float32)."""
+def agreement(row: str, path: Path, work: Path, eval_text: Path, ids: list[list[int]], threads: int,
+              kv_cache: str) -> dict[str, Any]:
+    """llama.cpp's greedy tokens and teacher-forced logits against the native model's (float32), and the
+    native model in float64 against float32 on the same sequences: how far rounding alone moves it."""
     from moeify.evaluation.serving import compare_tokens, forced_agreement, forced_logits, margins_at, native_tokens
     from moeify.loading import load_model
 
     native = MODEL if ROWS[row] is None else native_folder(row, work, eval_text)
     model = load_model(str(native), dtype="float32")[0]
     expected = native_tokens(model, ids, NEW_TOKENS)
-    tokens, forced, nan = llama_runs(path, ids, expected, threads)
+    tokens, forced, nan = llama_runs(path, ids, expected, threads, kv_cache)
     result = {"nan_logits": nan, **compare_tokens(expected, tokens)}
     result["native_margin_at_difference"] = margins_at(model, ids, expected, result["first_difference"])
-    result.update(forced_agreement(expected, [forced_logits(model, p, t) for p, t in zip(ids, expected)], forced))
+    own = [forced_logits(model, p, t) for p, t in zip(ids, expected)]
+    result.update(forced_agreement(expected, own, forced))
     sequence, position = result["max_abs_logit_diff_at"]
     result["routing"] = routing_gaps(model, ids[sequence], expected[sequence], position)
+    wider = forced_agreement(expected, own, [forced_logits(model.double(), p, t) for p, t in zip(ids, expected)])
+    result["native_float64"] = {key: wider[key] for key in ("argmax_differences", "max_abs_logit_diff")}
     return result
 
 
-def perplexity(path: Path, tokens: list[int], threads: int) -> dict[str, Any]:
+def perplexity(path: Path, tokens: list[int], threads: int, kv_cache: str) -> dict[str, Any]:
     """bench_real's protocol through llama.cpp: non-overlapping ``SEQ_LEN`` windows of ``tokens`` (BOS once,
     at the start), each window's first token unscored; float64 log-softmax of llama.cpp's logits."""
     import numpy as np
 
-    llm = llama(path, SEQ_LEN, threads, logits_all=True)
+    llm = llama(path, SEQ_LEN, threads, kv_cache, logits_all=True)
     nll, scored = 0.0, 0
     for start in range(0, len(tokens) - 1, SEQ_LEN):
         window = tokens[start:start + SEQ_LEN]
@@ -254,14 +270,14 @@ def perplexity(path: Path, tokens: list[int], threads: int) -> dict[str, Any]:
     return {"ppl": float(np.exp(nll / scored)), "scored_tokens": scored}
 
 
-def speed(path: Path, prompt: list[int], threads: int, repeats: int) -> dict[str, Any]:
+def speed(path: Path, prompt: list[int], threads: int, repeats: int, kv_cache: str) -> dict[str, Any]:
     """Batch-1 prompt processing (``len(prompt)`` tokens) and greedy generation (``SPEED_NEW`` tokens) in
     tokens/s: the median of ``repeats`` runs, after one warm-up run. Only the last position's logits are
     computed, read from the context (llama-cpp-python keeps ``scores`` only with ``logits_all``)."""
     import llama_cpp
     import numpy as np
 
-    llm = llama(path, len(prompt) + SPEED_NEW + 8, threads)
+    llm = llama(path, len(prompt) + SPEED_NEW + 8, threads, kv_cache)
     vocab = llm.n_vocab()
 
     def next_token() -> int:
@@ -298,34 +314,38 @@ def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
 
 
 def markdown(path: Path) -> str:
-    """One line per (row, quantisation), the latest of each: perplexity through llama.cpp and its change from
-    the same row's f16, agreement with the native model, and speed against the dense model's in the same
-    quantisation; then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
+    """One line per (row, quantisation, KV cache), the latest of each: perplexity through llama.cpp and its
+    change from the same row's f16, agreement with the native model, and speed against the dense model's in
+    the same quantisation; a KV cache other than the quantisation's default (``kv_cache_type``) is named in
+    the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
     standard export, float32), which lines without a quantisation hold."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     converted: dict[str, dict[str, Any]] = {}
     for line in read_rows(path):  # a later line's measurements replace an earlier one's, key by key
         if "quant" in line:
-            rows.setdefault((line["row"], line["quant"]), {}).update(line)
+            kv = line.get("kv_cache", "f16")  # llama.cpp's default, before the option was recorded
+            rows.setdefault((line["row"], line["quant"], kv), {}).update(line)
         else:
             converted[line["row"]] = line
     lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
               "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
-    for (name, quant), row in sorted(rows.items(), key=lambda item: (list(ROWS).index(item[0][0]),
-                                                                      QUANTS.index(item[0][1]))):
-        f16 = rows.get((name, "f16"), {}).get("ppl")
+    for (name, quant, kv), row in sorted(rows.items(), key=lambda item: (
+            list(ROWS).index(item[0][0]), QUANTS.index(item[0][1]), item[0][2] != kv_cache_type(item[0][1], "auto"))):
+        default_kv = kv == kv_cache_type(quant, "auto")
+        f16 = rows.get((name, "f16", "f16"), {}).get("ppl")
         change = f"{row['ppl'] / f16 - 1:+.1%}" if f16 and "ppl" in row and quant != "f16" else "-"
         agree = (f"{row['identical_sequences']}/{row['sequences']} / {row['argmax_differences']} of "
                  f"{row['forced_positions']}" if "identical_sequences" in row else "-")
-        dense = rows.get(("dense", quant), {})
+        dense = rows.get(("dense", quant, kv), {})
         ratios = [f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
                   for k in ("prompt_tokens_per_s", "generation_tokens_per_s")]
         ideal = f"{row['ideal_speedup']:.2f}x" if row.get("ideal_speedup") else "-"
         ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
         prompt = f"{row['prompt_tokens_per_s']:.0f}" if "prompt_tokens_per_s" in row else "-"
         generation = f"{row['generation_tokens_per_s']:.1f}" if "generation_tokens_per_s" in row else "-"
-        lines.append(f"| {name} | {quant} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | {agree} | {prompt} | "
+        label = quant if default_kv else f"{quant}, KV cache {kv}"
+        lines.append(f"| {name} | {label} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | {agree} | {prompt} | "
                      f"{ratios[0]} | {generation} | {ratios[1]} | {ideal} |")
     if converted:
         lines += [""] if lines else []  # a blank line between the two tables
@@ -353,6 +373,9 @@ def main() -> None:
     parser.add_argument("--measure", default=",".join(MEASURES),
                         help="comma-separated, of agreement, perplexity, speed (speed wants the CPU to itself: "
                              "measure it in a run of its own)")
+    parser.add_argument("--kv-cache", choices=("auto", "f32", "f16"), default="auto",
+                        help="llama.cpp's KV cache type; auto: f32 for f32 files (the file alone against the native "
+                             "float32 model), llama.cpp's default f16 for the others")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--llama-cpp", type=Path, default=None,
                         help="a llama.cpp source tree: compare each f32 file with its converter's (convert_hf_to_gguf.py)")
@@ -380,16 +403,17 @@ def main() -> None:
         ideal = ideal_speedup(row, args.work, eval_text)
         for quant in quants:
             path = gguf_file(row, quant, args.work, eval_text)
+            kv_cache = kv_cache_type(quant, args.kv_cache)
             result: dict[str, Any] = {"row": row, "quant": quant, "engine": "llama.cpp (llama-cpp-python 0.3.36)",
-                                      "bytes": path.stat().st_size, "ideal_speedup": ideal}
+                                      "kv_cache": kv_cache, "bytes": path.stat().st_size, "ideal_speedup": ideal}
             if "agreement" in measures and quant in AGREEMENT_QUANTS:
-                result.update(agreement(row, path, args.work, eval_text, ids, args.threads))
+                result.update(agreement(row, path, args.work, eval_text, ids, args.threads, kv_cache))
                 if quant == "f32" and args.llama_cpp is not None:
                     result.update(converter_agreement(row, path, args.work, eval_text, args.llama_cpp))
             if "perplexity" in measures:
-                result.update(perplexity(path, tokens, args.threads))
+                result.update(perplexity(path, tokens, args.threads, kv_cache))
             if "speed" in measures:
-                result.update(speed(path, speed_prompt, args.threads, args.repeats))
+                result.update(speed(path, speed_prompt, args.threads, args.repeats, kv_cache))
             append_row(args.out, result)
 
 
