@@ -2,10 +2,11 @@
 
 Protocol (as the papers): perplexity on a fixed prefix of WikiText-2 raw test (``--eval-chars``, default
 the first 100,000 characters), BOS once, non-overlapping 2048-token windows; calibration and training on
-WikiText-2 valid (never the evaluation text). Each row runs in a fresh process: load, convert, measure
-perplexity and the activated-parameter ratio (MoRE's APR, measured on the evaluation tokens), and save
-the converted model (``--models``). Rows are appended to ``--out`` as JSON lines as they finish, and a
-rerun skips the rows already there (same name and options), so a long run can be continued. Speed is a
+WikiText-2 valid (never the evaluation text; a row of ``CALIB_MIXES`` on a mix of corpora). Each row runs
+in a fresh process: load, convert, measure perplexity and the activated-parameter ratio (MoRE's APR,
+measured on the evaluation tokens), and save the converted model (``--models``). Rows are appended to
+``--out`` as JSON lines as they finish, and a rerun skips the rows already there (same name, options and
+calibration text), so a long run can be continued. Speed is a
 separate pass (``--speed``), run when nothing else shares the CPU: the dense model and each saved model
 in one process (``moeify bench``'s ``benchmark_pair``: prefill at batch 1 and 8, greedy decode).
 ``--markdown`` prints the table of what the file holds; ``--markdown --summary`` a compact one, per method
@@ -38,6 +39,8 @@ import torch
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
+PTB_VALID = ASSETS / "data" / "ptb" / "ptb.valid.txt"
+TINYSTORIES = ASSETS / "data" / "tinystories" / "tinystories_valid_dev.txt"
 EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
 OUT = Path(__file__).resolve().parent / "results" / "bench_real.jsonl"
 MODELS = Path(__file__).resolve().parent / "results" / "models"
@@ -73,6 +76,9 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     # ... and its ablations (Table 13: w/o VO routing, Local Emb; Fig. 6c: the LM loss in place of KD)
     "tomoe_apr0.5_no_vo_routing": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0,
                                              "vo_routing": False}),
+    "tomoe_apr0.5_mix3": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0}),  # CALIB_MIXES
+    "tomoe_apr0.5_head_pruning": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0,
+                                            "attention": "heads"}),
     "tomoe_apr0.5_local_emb": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0,
                                          "embeddings": "local"}),
     "tomoe_apr0.5_lm": ("tomoe", {"active_ratio": 0.5, "steps": 40, "checkpoint_every": 0, "objective": "lm"}),
@@ -104,6 +110,18 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "cmoe": ("cmoe", {}),
 }
 
+# rows that calibrate and train on a mix of corpora (``--calib`` arguments, weights after the colon): ToMoE's
+# 1:1:1 mix of three training corpora (the paper's: WikiText, Alpaca, Code-Alpaca; here the three corpora the
+# assets hold besides the evaluation text's test split). Every other row: WikiText-2 valid alone.
+CALIB_MIXES: dict[str, list[str]] = {
+    "tomoe_apr0.5_mix3": [f"{CALIB}:1", f"{PTB_VALID}:1", f"{TINYSTORIES}:1"],
+}
+
+
+def calib_of(name: str) -> list[str]:
+    """Row ``name``'s calibration text, as ``--calib`` arguments (file names only in the record)."""
+    return CALIB_MIXES.get(name, [str(CALIB)])
+
 
 def write_eval_prefix(chars: int, folder: Path) -> Path:
     """The evaluation prefix as its own file (its name says which prefix it is)."""
@@ -130,7 +148,7 @@ def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
     import moeify
     from moeify.api import ConversionResult
     from moeify.api.evaluate import evaluate
-    from moeify.calibration.data import read_text
+    from moeify.calibration.corpus import read_corpus
     from moeify.loading import load_model
     from moeify.methods import ConversionContext, get_method
     from moeify.moe.accounting import nominal_activated_parameters
@@ -139,14 +157,15 @@ def run_row(name: str, eval_file: Path, models: Path) -> dict[str, Any]:
     method, asked = ROWS[name]
     torch.manual_seed(0)
     model, tokenizer = load_model(str(MODEL))
-    row: dict[str, Any] = {"row": name, "method": method or "dense", "asked": asked}
+    row: dict[str, Any] = {"row": name, "method": method or "dense", "asked": asked, "calib": _calib_names(name)}
     convert_s = 0.0
     if method is not None:
         attempts, how = _attempts(method, asked, model)
         spec = get_method(method)
         for options in attempts:  # as compare does: the next try when a budget is out of reach
             config = build_config(spec.config_cls, options)
-            ctx = ConversionContext(model, tokenizer, read_text(CALIB), 0, torch.device("cpu"), progress=False)
+            ctx = ConversionContext(model, tokenizer, read_corpus(calib_of(name)), 0, torch.device("cpu"),
+                                    progress=False)
             start = time.perf_counter()
             try:
                 conversion = spec.run(ctx, config)
@@ -201,7 +220,12 @@ def _done(out: Path) -> dict[str, dict[str, Any]]:
     if not out.is_file():
         return {}
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {r["row"]: r for r in rows if r["row"] in ROWS and r["asked"] == ROWS[r["row"]][1]}
+    return {r["row"]: r for r in rows if r["row"] in ROWS and r["asked"] == ROWS[r["row"]][1]
+            and r.get("calib", [CALIB.name]) == _calib_names(r["row"])}  # rows before the record: WikiText-2 valid
+
+
+def _calib_names(name: str) -> list[str]:
+    return [Path(spec).name for spec in calib_of(name)]
 
 
 def _speedups(row: dict[str, Any]) -> str:
@@ -221,6 +245,8 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
             continue
         r = rows[name]
         opts = ", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items()) or "defaults"
+        if name in CALIB_MIXES:
+            opts += ", calib=" + " + ".join(_calib_names(name))
         ratio = f"{r['ppl'] / dense:.2f}" if dense else "-"
         lines.append(f"| {name} | {r['method']} | {opts} | {r['apr']:.3f} | {r['ppl']:.2f} | {ratio} | "
                      f"{r.get('convert_s', 0):.0f} | {_speedups(r)} |")
