@@ -14,7 +14,9 @@ and quantisation, one JSON line in ``--out``:
   the file is what is measured); then, teacher-forced on the native sequences,
   llama.cpp's logits at every position against the native model's (largest difference, argmax differences,
   the native top-2 margin where they part; for a routed model the smallest routing-score gap where the
-  difference is largest, a routing near-tie that llama.cpp's rounding breaks the other way);
+  difference is largest, a routing near-tie that llama.cpp's rounding breaks the other way); the native
+  model in float64 against float32 (how far rounding alone moves it); for an approximation (CMoE), also
+  llama.cpp against the standard export the file holds, run by transformers;
 - perplexity through llama.cpp on the bench_real text (first 100,000 characters of WikiText-2 raw test, BOS
   once, non-overlapping 2048-token windows, each window's first token unscored: bench_real's protocol);
 - speed at batch 1, the CPU to itself (perplexity and speed with llama.cpp's default f16 KV cache for every
@@ -105,11 +107,33 @@ def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
         model = load_model(str(MODEL), dtype="float32")[0]
         write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
         return out
-    extra = ROWS[row][2]
-    texts = ("--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
     moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", "gguf", "--quant", quant,
-               "--out", str(out), *extra, *texts)
+               "--out", str(out), *export_options(row, eval_text))
     return out
+
+
+def export_options(row: str, eval_text: Path) -> tuple[str, ...]:
+    """``row``'s ``moeify export`` options beyond the format (an approximation's texts with it)."""
+    extra = ROWS[row][2]
+    return (*extra, "--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
+
+
+def standard_export(row: str, fmt: str, work: Path, eval_text: Path) -> Path:
+    """``row``'s standard Hugging Face folder in ``fmt``, with the options of its GGUF (made once): the
+    dense model as transformers saves it, a conversion through ``moeify export``."""
+    folder = work / f"{row}-{fmt}"
+    if (folder / "config.json").is_file():
+        return folder
+    if ROWS[row] is None:
+        from moeify.loading import load_model
+
+        model, tokenizer = load_model(str(MODEL), dtype="float32")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", fmt, "--out", str(folder),
+                   *export_options(row, eval_text))
+    return folder
 
 
 def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama_cpp: Path) -> dict[str, Any]:
@@ -122,20 +146,8 @@ def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama
     from moeify.export.gguf import RECORD_KEY
 
     ours = GGUFReader(path)
-    fmt = json.loads(ours.fields[RECORD_KEY].contents()).get("format", "llama")
-    folder = work / f"{row}-{fmt}"
-    if not (folder / "config.json").is_file():
-        source = MODEL if ROWS[row] is None else native_folder(row, work, eval_text)
-        if ROWS[row] is None:
-            from moeify.loading import load_model
-
-            model, tokenizer = load_model(str(source), dtype="float32")
-            model.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-        else:
-            extra = ROWS[row][2]
-            texts = ("--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
-            moeify_cli("export", str(source), "--format", fmt, "--out", str(folder), *extra, *texts)
+    folder = standard_export(row, json.loads(ours.fields[RECORD_KEY].contents()).get("format", "llama"), work,
+                             eval_text)
     theirs = work / f"{row}-converter.f32.gguf"
     done = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
                            "--outfile", str(theirs)], capture_output=True, text=True, check=False)
@@ -246,7 +258,30 @@ def agreement(row: str, path: Path, work: Path, eval_text: Path, ids: list[list[
     result["routing"] = routing_gaps(model, ids[sequence], expected[sequence], position)
     wider = forced_agreement(expected, own, [forced_logits(model.double(), p, t) for p, t in zip(ids, expected)])
     result["native_float64"] = {key: wider[key] for key in ("argmax_differences", "max_abs_logit_diff")}
+    if ROWS[row] is not None and ROWS[row][2]:  # an approximation: what the file holds is its standard export
+        result["against_export"] = export_agreement(row, path, work, eval_text, ids, threads, kv_cache)
     return result
+
+
+def export_agreement(row: str, path: Path, work: Path, eval_text: Path, ids: list[list[int]], threads: int,
+                     kv_cache: str) -> dict[str, Any]:
+    """llama.cpp against the approximation the GGUF holds: ``row``'s standard export in the GGUF's format
+    (the same ``moeify export`` options), run by transformers in float32: greedy tokens and teacher-forced
+    argmax differences."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from moeify.evaluation.serving import compare_tokens, forced_agreement, forced_logits, native_tokens
+    from moeify.export.gguf import RECORD_KEY
+
+    fmt = json.loads(GGUFReader(path).fields[RECORD_KEY].contents())["format"]
+    model = AutoModelForCausalLM.from_pretrained(standard_export(row, fmt, work, eval_text), dtype="float32").eval()
+    expected = native_tokens(model, ids, NEW_TOKENS)
+    tokens, forced, _ = llama_runs(path, ids, expected, threads, kv_cache)
+    forced_result = forced_agreement(expected, [forced_logits(model, p, t) for p, t in zip(ids, expected)], forced)
+    return {"format": fmt, **{key: value for key, value in compare_tokens(expected, tokens).items()
+                              if key in ("identical_sequences", "sequences", "token_agreement")},
+            **{key: forced_result[key] for key in ("argmax_differences", "forced_positions", "max_abs_logit_diff")}}
 
 
 def perplexity(path: Path, tokens: list[int], threads: int, kv_cache: str) -> dict[str, Any]:
@@ -313,6 +348,11 @@ def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
     return dense / macs_per_token(load_model(str(native_folder(row, work, eval_text)), dtype="float32")[0], context)
 
 
+def _agreement_cell(result: dict[str, Any]) -> str:
+    return (f"{result['identical_sequences']}/{result['sequences']} / {result['argmax_differences']} of "
+            f"{result['forced_positions']}")
+
+
 def markdown(path: Path) -> str:
     """One line per (row, quantisation, KV cache), the latest of each: perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
@@ -335,8 +375,9 @@ def markdown(path: Path) -> str:
         default_kv = kv == kv_cache_type(quant, "auto")
         f16 = rows.get((name, "f16", "f16"), {}).get("ppl")
         change = f"{row['ppl'] / f16 - 1:+.1%}" if f16 and "ppl" in row and quant != "f16" else "-"
-        agree = (f"{row['identical_sequences']}/{row['sequences']} / {row['argmax_differences']} of "
-                 f"{row['forced_positions']}" if "identical_sequences" in row else "-")
+        agree = _agreement_cell(row) if "identical_sequences" in row else "-"
+        if "against_export" in row:  # an approximation: also against what the file holds
+            agree += f" (its {row['against_export']['format']} export: {_agreement_cell(row['against_export'])})"
         dense = rows.get(("dense", quant, kv), {})
         ratios = [f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
                   for k in ("prompt_tokens_per_s", "generation_tokens_per_s")]
