@@ -320,7 +320,8 @@ def _dense_heads(attn: PrunedAttention) -> dict[str, tuple[Tensor, int]] | None:
     dense_heads, dense_kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
     kv = torch.tensor(kept)
     q = query_heads(kv, dense_heads // dense_kv)
-    return {"q_proj": (q, dense_heads), "k_proj": (kv, dense_kv), "v_proj": (kv, dense_kv), "o_proj": (q, dense_heads)}
+    return {"q_proj": (q, dense_heads), "k_proj": (kv, dense_kv), "v_proj": (kv, dense_kv),
+            "o_proj": (q, dense_heads)}
 
 
 def padded_attention(prefix: str, attn: PrunedAttention, static_dims: Tensor | None = None) -> dict[str, Tensor]:
@@ -337,6 +338,11 @@ def padded_attention(prefix: str, attn: PrunedAttention, static_dims: Tensor | N
                                "keep the same ones for every token" + APPROXIMATE_HINT + " (static dimensions), or "
                                "convert with attention=off", approximable=True)
     vo = attn.vo_index if attn.router is None else static_dims
+    dense = _dense_heads(attn)
+
+    def placed(name: str, rows: Tensor) -> Tensor:  # the kept heads in their places among the dense ones
+        return rows if dense is None else _scatter_heads(rows, *dense[name], hd)
+
     out = {}
     for name, heads, index in (("q_proj", attn.num_heads, qk), ("k_proj", attn.num_kv_heads, qk),
                                ("v_proj", attn.num_kv_heads, vo)):
@@ -345,19 +351,13 @@ def padded_attention(prefix: str, attn: PrunedAttention, static_dims: Tensor | N
         if name == "v_proj" and attn.router is not None:  # full width: keep the static dimensions' rows
             weight, bias = (None if t is None else t.view(heads, hd, *t.shape[1:])[:, vo].flatten(0, 1)
                             for t in (weight, bias))
-        out[f"{prefix}{name}.weight"] = _scatter_rows(weight, heads, index, hd)
+        out[f"{prefix}{name}.weight"] = placed(name, _scatter_rows(weight, heads, index, hd))
         if bias is not None:
-            out[f"{prefix}{name}.bias"] = _scatter_rows(bias, heads, index, hd)
+            out[f"{prefix}{name}.bias"] = placed(name, _scatter_rows(bias, heads, index, hd))
     o_weight = attn.o_proj.weight.detach().T
     if attn.router is not None:
         o_weight = o_weight.view(attn.num_heads, hd, -1)[:, vo].flatten(0, 1)
-    out[f"{prefix}o_proj.weight"] = _scatter_rows(o_weight, attn.num_heads, vo, hd).T
-    if (dense := _dense_heads(attn)) is not None:
-        for key in list(out):
-            kept, heads = dense[key.removeprefix(prefix).split(".")[0]]
-            rows = out[key].T if key.endswith("o_proj.weight") else out[key]
-            rows = _scatter_heads(rows, kept, heads, hd)
-            out[key] = rows.T.contiguous() if key.endswith("o_proj.weight") else rows
+    out[f"{prefix}o_proj.weight"] = placed("o_proj", _scatter_rows(o_weight, attn.num_heads, vo, hd)).T
     if attn.o_proj.bias is not None:
         out[f"{prefix}o_proj.bias"] = attn.o_proj.bias.detach()
     return out

@@ -176,15 +176,14 @@ class AttentionMasks:
         self._qk_masks: Tensor | None = None
         self._token_masks: Tensor | None = None
         self._head_masks: Tensor | None = None
+        self._handles: list[RemovableHandle] = [attn.register_forward_pre_hook(self._masks, with_kwargs=True),
+                                                attn.register_forward_hook(self._forget)]
         if modules.head_pruning:  # a pruned head adds nothing to the output: its output projection's input is 0
             self._groups = projections["q"].out_features // projections["k"].out_features
-            self._handles: list[RemovableHandle] = [attn.register_forward_pre_hook(self._masks, with_kwargs=True),
-                             attn.register_forward_hook(self._forget),
-                             projections["o"].register_forward_pre_hook(lambda _m, args: (self._drop_heads(args[0]),))]
+            self._handles.append(projections["o"].register_forward_pre_hook(
+                lambda _m, args: (self._drop_heads(args[0]),)))
             return
-        self._handles = [
-            attn.register_forward_pre_hook(self._masks, with_kwargs=True),
-            attn.register_forward_hook(self._forget),
+        self._handles += [
             projections["q"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._qk_masks)),
             projections["k"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._qk_masks)),
             projections["v"].register_forward_hook(lambda _m, _i, out: self._apply(out, self._token_masks)),
