@@ -2,11 +2,11 @@
 and prompt and generation speed against the dense model in the same quantisation.
 
 Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go through the same writer) and
-each default conversion that llama.cpp holds: its granitemoe MoRE exactly, ToMoE's MLP experts exactly and
-CMoE through ``--approximate``, its qwen2moe Dense2MoE exactly (bench_real's ``dense2moe`` options; its
-dense layers as identical experts, so the file holds E copies of their MLPs), each written by ``moeify
-export --format gguf`` in every ``--quants``. Per row
-and quantisation, one JSON line in ``--out``:
+each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
+ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
+granitemoe, Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
+experts, so the file holds E copies of their MLPs), each in every ``--quants``. Per row and quantisation,
+one JSON line in ``--out`` (with the form: ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
   token ids, against moeify's native model (float32), the f32 file with a float32 KV cache (``--kv-cache``:
@@ -36,7 +36,7 @@ The docs' table came from four runs, the speed alone on the CPU:
     python benchmarks/serve_llamacpp.py --quants f32 --measure agreement
     python benchmarks/serve_llamacpp.py --rows dense,more,tomoe --quants f32 --measure agreement --kv-cache f16
     python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure agreement,perplexity
-    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed
+    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed --repeats 5
 """
 
 from __future__ import annotations
@@ -118,6 +118,15 @@ def export_options(row: str, eval_text: Path) -> tuple[str, ...]:
     return (*extra, "--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
 
 
+def gguf_format(path: Path) -> str:
+    """The standard form a GGUF file of moeify's was written through (``llama`` for the dense model's)."""
+    from gguf import GGUFReader
+
+    from moeify.export.gguf import RECORD_KEY
+
+    return json.loads(GGUFReader(path).fields[RECORD_KEY].contents()).get("format", "llama")
+
+
 def standard_export(row: str, fmt: str, work: Path, eval_text: Path) -> Path:
     """``row``'s standard Hugging Face folder in ``fmt``, with the options of its GGUF (made once): the
     dense model as transformers saves it, a conversion through ``moeify export``."""
@@ -143,11 +152,8 @@ def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama
     import numpy as np
     from gguf import GGUFReader
 
-    from moeify.export.gguf import RECORD_KEY
-
     ours = GGUFReader(path)
-    folder = standard_export(row, json.loads(ours.fields[RECORD_KEY].contents()).get("format", "llama"), work,
-                             eval_text)
+    folder = standard_export(row, gguf_format(path), work, eval_text)
     theirs = work / f"{row}-converter.f32.gguf"
     done = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
                            "--outfile", str(theirs)], capture_output=True, text=True, check=False)
@@ -268,13 +274,11 @@ def export_agreement(row: str, path: Path, work: Path, eval_text: Path, ids: lis
     """llama.cpp against the approximation the GGUF holds: ``row``'s standard export in the GGUF's format
     (the same ``moeify export`` options), run by transformers in float32: greedy tokens and teacher-forced
     argmax differences."""
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
     from moeify.evaluation.serving import compare_tokens, forced_agreement, forced_logits, native_tokens
-    from moeify.export.gguf import RECORD_KEY
 
-    fmt = json.loads(GGUFReader(path).fields[RECORD_KEY].contents())["format"]
+    fmt = gguf_format(path)
     model = AutoModelForCausalLM.from_pretrained(standard_export(row, fmt, work, eval_text), dtype="float32").eval()
     expected = native_tokens(model, ids, NEW_TOKENS)
     tokens, forced, _ = llama_runs(path, ids, expected, threads, kv_cache)
@@ -354,19 +358,21 @@ def _agreement_cell(result: dict[str, Any]) -> str:
 
 
 def markdown(path: Path) -> str:
-    """One line per (row, quantisation, KV cache), the latest of each: perplexity through llama.cpp and its
+    """One line per (row, quantisation, KV cache), the latest of each in the row's latest form (its format
+    named with the row): perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
     the same quantisation; a KV cache other than the quantisation's default (``kv_cache_type``) is named in
     the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
     standard export, float32), which lines without a quantisation hold."""
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     converted: dict[str, dict[str, Any]] = {}
-    for line in read_rows(path):  # a later line's measurements replace an earlier one's, key by key
-        if "quant" in line:
-            kv = line.get("kv_cache", "f16")  # llama.cpp's default, before the option was recorded
-            rows.setdefault((line["row"], line["quant"], kv), {}).update(line)
-        else:
+    measured = read_rows(path)
+    latest_format = {line["row"]: line["format"] for line in measured if "quant" in line}
+    for line in measured:  # a later line's measurements replace an earlier one's, key by key
+        if "quant" not in line:
             converted[line["row"]] = line
+        elif line["format"] == latest_format[line["row"]]:  # a row written in another form since: left out
+            rows.setdefault((line["row"], line["quant"], line["kv_cache"]), {}).update(line)
     lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
               "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
@@ -386,8 +392,8 @@ def markdown(path: Path) -> str:
         prompt = f"{row['prompt_tokens_per_s']:.0f}" if "prompt_tokens_per_s" in row else "-"
         generation = f"{row['generation_tokens_per_s']:.1f}" if "generation_tokens_per_s" in row else "-"
         label = quant if default_kv else f"{quant}, KV cache {kv}"
-        lines.append(f"| {name} | {label} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | {agree} | {prompt} | "
-                     f"{ratios[0]} | {generation} | {ratios[1]} | {ideal} |")
+        lines.append(f"| {name} ({row['format']}) | {label} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | "
+                     f"{agree} | {prompt} | {ratios[0]} | {generation} | {ratios[1]} | {ideal} |")
     if converted:
         lines += [""] if lines else []  # a blank line between the two tables
         lines += [("| row (converter route, f32) | format | identical greedy sequences | "
@@ -445,8 +451,9 @@ def main() -> None:
         for quant in quants:
             path = gguf_file(row, quant, args.work, eval_text)
             kv_cache = kv_cache_type(quant, args.kv_cache)
-            result: dict[str, Any] = {"row": row, "quant": quant, "engine": "llama.cpp (llama-cpp-python 0.3.36)",
-                                      "kv_cache": kv_cache, "bytes": path.stat().st_size, "ideal_speedup": ideal}
+            result: dict[str, Any] = {"row": row, "quant": quant, "format": gguf_format(path),
+                                      "engine": "llama.cpp (llama-cpp-python 0.3.36)", "kv_cache": kv_cache,
+                                      "bytes": path.stat().st_size, "ideal_speedup": ideal}
             if "agreement" in measures and quant in AGREEMENT_QUANTS:
                 result.update(agreement(row, path, args.work, eval_text, ids, args.threads, kv_cache))
                 if quant == "f32" and args.llama_cpp is not None:

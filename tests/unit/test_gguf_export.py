@@ -1,7 +1,9 @@
 """GGUF files written by moeify, read back with the ``gguf`` package's reader: a routed conversion of the
-embedded stories260K (MoRE) as llama.cpp's granitemoe, a dense one (static pruning) as llama; names,
-shapes, types, hyperparameters, the tokenizer and the tensor values, and the permutation of q and k into
-llama.cpp's rotary layout checked against transformers' rotary embedding. That llama.cpp runs the files
+embedded stories260K (MoRE, top-1) as llama.cpp's llama with experts and, written through its
+granitemoeshared export, as granitemoe; a dense one (static pruning) as llama; Dense2MoE as qwen2moe; names,
+shapes, types, hyperparameters, the tokenizer and the tensor values, the FFN llama.cpp computes from a file
+against the converted layer's, and the permutation of q and k into llama.cpp's rotary layout checked
+against transformers' rotary embedding. That llama.cpp runs the files
 and gives the native tokens is measured in ``benchmarks/serve_llamacpp.py``."""
 
 import json
@@ -15,7 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import moeify
 from moeify.api import export_folder
 from moeify.cli.main import main
-from moeify.export.gguf import RECORD_KEY, NoGgufVocabulary, vocabulary
+from moeify.export.gguf import RECORD_KEY, NoGgufVocabulary, vocabulary, write_gguf
 from moeify.export.gguf.tensors import rotary_interleaved
 from moeify.export.hf_export import EXPORTERS
 from moeify.loading import load_model
@@ -44,6 +46,17 @@ def files(natives, tmp_path_factory):
                             root / f"{name}-{quant}.gguf") for name, quant in wanted}
 
 
+@pytest.fixture(scope="module")
+def granite(natives, files, tmp_path_factory):
+    """MoRE's granitemoeshared export written to an f32 GGUF (the tokenizer from its routed file): (its
+    export, the file)."""
+    model = load_model(natives["more"])[0]
+    export = EXPORTERS["granitemoeshared"].build(model)
+    path = tmp_path_factory.mktemp("granite") / "more-granite.gguf"
+    write_gguf(export, path, vocabulary([files[("more", "f32")][1]], model.config.vocab_size), "f32")
+    return export.model, path
+
+
 def _fields(reader: gguf.GGUFReader) -> dict:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
@@ -57,13 +70,11 @@ def _expected_names(layers: int, routed: bool, shared: bool, tied: bool) -> set[
     return names | {f"blk.{i}.{name}.weight" for i in range(layers) for name in per_layer}
 
 
-def test_a_routed_conversion_is_llamacpp_granitemoe_with_its_names_shapes_and_hyperparameters(natives, files):
-    record, path = files[("more", "f32")]
+def test_a_granitemoeshared_export_is_llamacpp_granitemoe_with_its_names_shapes_and_hyperparameters(granite):
+    export, path = granite
     reader = gguf.GGUFReader(path)
     fields = _fields(reader)
-    export = EXPORTERS["granitemoeshared"].build(load_model(natives["more"])[0]).model
     cfg = export.config
-    assert record["format"] == "granitemoeshared" and record["gguf"]["architecture"] == "granitemoe"
     assert fields["general.architecture"] == "granitemoe"
     assert fields["granitemoe.block_count"] == cfg.num_hidden_layers
     assert fields["granitemoe.expert_count"] == cfg.num_local_experts
@@ -80,10 +91,30 @@ def test_a_routed_conversion_is_llamacpp_granitemoe_with_its_names_shapes_and_hy
     assert json.loads(fields[RECORD_KEY])["format"] == "granitemoeshared"
 
 
-def test_float32_tensors_are_the_exports_with_q_and_k_in_llamacpp_rotary_order(natives, files):
-    reader = gguf.GGUFReader(files[("more", "f32")][1])
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    export = EXPORTERS["granitemoeshared"].build(load_model(natives["more"])[0]).model
+def test_a_top1_conversion_is_llamacpp_llama_with_experts_each_holding_the_shared_part(natives, files):
+    """Top-1 routing with a shared part: one routed product per layer, the shared part folded into every
+    expert (the mixtral form), at no more neurons per token than granitemoe's shared + routed pair; every
+    layer's FFN computed as llama.cpp's llama computes it from the file is the converted model's."""
+    record, path = files[("more", "f32")]
+    reader = gguf.GGUFReader(path)
+    fields = _fields(reader)
+    source = load_model(natives["more"])[0]
+    cfg = EXPORTERS["mixtral"].build(source).model.config
+    assert EXPORTERS["mixtral"].neurons_per_token(source) <= EXPORTERS["granitemoeshared"].neurons_per_token(source)
+    assert record["format"] == "mixtral" and fields["general.architecture"] == "llama"
+    assert fields["llama.expert_count"] == cfg.num_local_experts > 1
+    assert fields["llama.expert_used_count"] == cfg.num_experts_per_tok == 1
+    assert fields["llama.feed_forward_length"] == cfg.intermediate_size
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == _expected_names(cfg.num_hidden_layers, True, False, cfg.tie_word_embeddings)
+    assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [cfg.intermediate_size, cfg.hidden_size,
+                                                                 cfg.num_local_experts]
+    _assert_ffns_are_the_sources(tensors, source, 1, renormalise=True)
+
+
+def test_float32_tensors_are_the_exports_with_q_and_k_in_llamacpp_rotary_order(granite):
+    export, path = granite
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
     state, cfg = export.state_dict(), export.config
     layer = "model.layers.1."
     gate_up = state[layer + "block_sparse_moe.experts.gate_up_proj"].numpy()
@@ -154,7 +185,7 @@ def test_the_tokenizer_is_the_dense_models_sentencepiece_model_and_copies_from_a
     fields = _fields(reader)
     assert fields["tokenizer.ggml.model"] == "llama"
     tokens = fields["tokenizer.ggml.tokens"]
-    assert len(tokens) == fields["granitemoe.vocab_size"]
+    assert len(tokens) == fields["llama.vocab_size"]
     vocab = tokenizer.get_vocab()
     assert all(tokens[i] == piece for piece, i in vocab.items() if i < len(tokens))
     assert fields["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
@@ -198,14 +229,15 @@ def test_cli_writes_a_gguf_and_says_what_it_holds(natives, files, tmp_path, caps
     out = tmp_path / "cli.gguf"
     assert main(["export", str(natives["more"]), "--format", "gguf", "--quant", "f16", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "granitemoe" in printed and "MOSTLY_F16" in printed and f"wrote {out}" in printed
+    assert "llama" in printed and "MOSTLY_F16" in printed and f"wrote {out}" in printed
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_F16
     assert out.stat().st_size < files[("more", "f32")][1].stat().st_size
 
 
-def _qwen2moe_mlp(tensors: dict, block: int, x: np.ndarray, top_k: int) -> np.ndarray:
-    """llama.cpp's qwen2moe FFN (softmax over every expert, the top-k weighed by their probabilities, not
-    renormalised; the shared expert times silu(g) / g) on rows ``x``, from the GGUF's arrays."""
+def _llamacpp_moe_ffn(tensors: dict, block: int, x: np.ndarray, top_k: int, renormalise: bool) -> np.ndarray:
+    """llama.cpp's MoE FFN on rows ``x``, from the GGUF's arrays: softmax over every expert, the top-k weighed
+    by their probabilities, renormalised over the chosen (its llama) or not (its qwen2moe); a qwen2moe shared
+    expert added times silu(g) / g."""
     def silu(v):
         return v / (1 + np.exp(-v))
 
@@ -218,11 +250,24 @@ def _qwen2moe_mlp(tensors: dict, block: int, x: np.ndarray, top_k: int) -> np.nd
     gate, up, down = get("ffn_gate_exps"), get("ffn_up_exps"), get("ffn_down_exps")
     out = np.zeros_like(x)
     for t, row in enumerate(x):
-        for e in np.argsort(-probs[t], kind="stable")[:top_k]:
-            out[t] += probs[t, e] * (down[e] @ (silu(gate[e] @ row) * (up[e] @ row)))
+        chosen = np.argsort(-probs[t], kind="stable")[:top_k]
+        weights = probs[t, chosen] / (probs[t, chosen].sum() if renormalise else 1.0)
+        for e, weight in zip(chosen, weights):
+            out[t] += weight * (down[e] @ (silu(gate[e] @ row) * (up[e] @ row)))
+    if f"blk.{block}.ffn_gate_shexp.weight" not in tensors:
+        return out
     g = x @ get("ffn_gate_inp_shexp")
     shared = (silu(x @ get("ffn_gate_shexp").T) * (x @ get("ffn_up_shexp").T)) @ get("ffn_down_shexp").T
     return out + shared * (silu(g) / g)[:, None]
+
+
+def _assert_ffns_are_the_sources(tensors: dict, source, top_k: int, renormalise: bool) -> None:
+    x = np.random.default_rng(0).standard_normal((6, source.config.hidden_size))
+    for i, layer in enumerate(source.model.layers):
+        with torch.no_grad():
+            expected = layer.mlp(torch.tensor(x, dtype=torch.float32)).double().numpy()
+        np.testing.assert_allclose(_llamacpp_moe_ffn(tensors, i, x, top_k, renormalise), expected, rtol=1e-4,
+                                   atol=1e-5)
 
 
 def test_dense2moe_is_llamacpp_qwen2moe_its_dense_layers_as_identical_experts(tmp_path):
@@ -242,11 +287,7 @@ def test_dense2moe_is_llamacpp_qwen2moe_its_dense_layers_as_identical_experts(tm
     assert experts > top_k == 1 and fields["qwen2moe.expert_shared_feed_forward_length"] > 0
     tensors = {t.name: t for t in reader.tensors}
     assert all(tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"].data.ndim == 1 for i in range(source.config.num_hidden_layers))
-    x = np.random.default_rng(0).standard_normal((6, source.config.hidden_size))
-    moe_layers = 0
-    for i, layer in enumerate(source.model.layers):
-        with torch.no_grad():
-            expected = layer.mlp(torch.tensor(x, dtype=torch.float32)).double().numpy()
-        np.testing.assert_allclose(_qwen2moe_mlp(tensors, i, x, top_k), expected, rtol=1e-4, atol=1e-5)
-        moe_layers += int(np.abs(np.asarray(tensors[f"blk.{i}.ffn_gate_inp.weight"].data)).max() > 0)
+    _assert_ffns_are_the_sources(tensors, source, top_k, renormalise=False)
+    moe_layers = sum(np.abs(np.asarray(tensors[f"blk.{i}.ffn_gate_inp.weight"].data)).max() > 0
+                     for i in range(source.config.num_hidden_layers))
     assert moe_layers == 1  # the fused layer; every other one is a dense layer's copies

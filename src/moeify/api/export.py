@@ -95,14 +95,22 @@ def _refuse_unsupported(fmt: str, config: Any) -> None:
 
 
 def gguf_route(model: PreTrainedModel) -> str:
-    """The standard format a GGUF file is written through: ``llama`` for a dense model, ``granitemoeshared``
+    """The standard format a GGUF file is written through: ``llama`` for a dense model; else ``mixtral``
+    (llama.cpp's llama with experts) where it holds the routing exactly at no more neurons per token
+    than the format chosen below: one routed product per layer, the shared part folded into every expert,
+    where granitemoe runs a shared product beside the routed one, so fewer operations per token at the same
+    multiply-accumulates (more bytes on disk: each expert holds the shared part); else ``granitemoeshared``
     where it holds the routing exactly, else ``qwen2_moe`` where that does (softmax weights not
     renormalised: Dense2MoE's), else ``granitemoeshared`` (through its approximation, or its refusal)."""
     if EXPORTERS["llama"].supports(model):
         return "llama"
-    if not EXPORTERS["granitemoeshared"].supports(model) and EXPORTERS["qwen2_moe"].supports(model):
-        return "qwen2_moe"
-    return "granitemoeshared"
+    exact = [fmt for fmt in ("granitemoeshared", "qwen2_moe") if EXPORTERS[fmt].supports(model)]
+    if not exact:
+        return "granitemoeshared"
+    folded = EXPORTERS["mixtral"].neurons_per_token(model)
+    if folded is not None and folded <= EXPORTERS[exact[0]].neurons_per_token(model):
+        return "mixtral"
+    return exact[0]
 
 
 def _check_request(source: str | Path, fmt: str, out: Path, *, quant: str, approximate: bool, overwrite: bool,

@@ -25,8 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "dense MLPs, so that one wide layer does not set every layer's width. Each approximated "
                     "part's agreement and the perplexity change are reported. The native folder written by "
                     "`moeify convert` stays the lossless format. --format gguf writes one file that llama.cpp (and "
-                    "Ollama, LM Studio) runs: the granitemoeshared form of a routed model (llama.cpp's granitemoe) "
-                    "or the llama form of a dense one, with the dense model's tokenizer (from its GGUF file or its "
+                    "Ollama, LM Studio) runs: a top-1 routed model in its mixtral form (llama.cpp's llama with "
+                    "experts: the shared part folded into every expert, one routed product per layer) where that "
+                    "costs no more neurons per token, else its granitemoeshared form (llama.cpp's granitemoe) or, "
+                    "for softmax weights that are not renormalised, its qwen2_moe form (qwen2moe); a dense model "
+                    "in its llama form; with the dense model's tokenizer (from its GGUF file or its "
                     "SentencePiece tokenizer.model), in --quant.")
     parser.add_argument("model", type=Path, help="converted model folder (moeify convert --out)")
     parser.add_argument("--format", default=None, help="target architecture (see --check)")

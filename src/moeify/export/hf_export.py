@@ -191,6 +191,12 @@ class HfExporter:
         support = self._analyse(model, approximation).support
         return support if explain else bool(support)
 
+    def neurons_per_token(self, model: PreTrainedModel) -> int | None:
+        """MLP neurons a token runs through in this format's exact layout of ``model`` (zero padding
+        included), or None where the format does not hold it exactly."""
+        analysis = self._analyse(model, EXACT)
+        return self.format.neurons_per_token(analysis.config) if analysis.support else None
+
     def cheapest_dense_layers(self, model: PreTrainedModel, approximation: Approximation = EXACT) -> list[int]:
         """The routed layers (unit expert weights) whose dense form (``hf_parts.dense_form``) makes this
         format's layout run the fewest MLP neurons per token, fewest layers on a tie; [] when none helps.

@@ -7,8 +7,8 @@ import gguf
 from transformers import PretrainedConfig
 
 # standard format moeify builds -> llama.cpp architecture that runs it
-ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "granitemoeshared": gguf.MODEL_ARCH.GRANITE_MOE,
-                 "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
+ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "mixtral": gguf.MODEL_ARCH.LLAMA,
+                 "granitemoeshared": gguf.MODEL_ARCH.GRANITE_MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
 ROTATES_HALVES = ("qwen2_moe",)  # llama.cpp's NEOX rotary, transformers' layout: q and k stay as they are
 NEEDS_OUTPUT = ("qwen2_moe",)  # llama.cpp's qwen2moe requires output.weight, tied or not
 
@@ -23,7 +23,7 @@ def unsupported(fmt: str, config: PretrainedConfig) -> list[str]:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in ("default", "linear"):
         reasons.append(f"rotary scaling {rope['rope_type']!r}: the GGUF writer handles none and linear")
-    if fmt != "llama" and head_dim(config) * config.num_attention_heads != config.hidden_size:
+    if ARCHITECTURES[fmt] != gguf.MODEL_ARCH.LLAMA and head_dim(config) * config.num_attention_heads != config.hidden_size:
         reasons.append(f"head_dim={head_dim(config)} x {config.num_attention_heads} heads != hidden_size="
                        f"{config.hidden_size}: llama.cpp's {gguf.MODEL_ARCH_NAMES[ARCHITECTURES[fmt]]} derives the head size "
                        "from hidden_size")
@@ -49,9 +49,12 @@ def add_hyperparameters(writer: gguf.GGUFWriter, fmt: str, config: PretrainedCon
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim(config))
-    if fmt == "llama":
+    if ARCHITECTURES[fmt] == gguf.MODEL_ARCH.LLAMA:  # llama.cpp's llama reads experts where the file has them
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
+        if fmt == "mixtral":
+            writer.add_expert_count(config.num_local_experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
         return
     if fmt == "qwen2_moe":
         writer.add_expert_count(config.num_experts)
