@@ -104,13 +104,11 @@ def gguf_route(model: PreTrainedModel) -> str:
     renormalised: Dense2MoE's), else ``granitemoeshared`` (through its approximation, or its refusal)."""
     if EXPORTERS["llama"].supports(model):
         return "llama"
-    exact = [fmt for fmt in ("granitemoeshared", "qwen2_moe") if EXPORTERS[fmt].supports(model)]
-    if not exact:
-        return "granitemoeshared"
-    folded = EXPORTERS["mixtral"].neurons_per_token(model)
-    if folded is not None and folded <= EXPORTERS[exact[0]].neurons_per_token(model):
-        return "mixtral"
-    return exact[0]
+    for fmt in ("granitemoeshared", "qwen2_moe"):
+        if (neurons := EXPORTERS[fmt].neurons_per_token(model)) is not None:  # fmt holds it exactly
+            folded = EXPORTERS["mixtral"].neurons_per_token(model)
+            return "mixtral" if folded is not None and folded <= neurons else fmt
+    return "granitemoeshared"
 
 
 def _check_request(source: str | Path, fmt: str, out: Path, *, quant: str, approximate: bool, overwrite: bool,

@@ -23,9 +23,10 @@ def unsupported(fmt: str, config: PretrainedConfig) -> list[str]:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in ("default", "linear"):
         reasons.append(f"rotary scaling {rope['rope_type']!r}: the GGUF writer handles none and linear")
-    if ARCHITECTURES[fmt] != gguf.MODEL_ARCH.LLAMA and head_dim(config) * config.num_attention_heads != config.hidden_size:
+    arch = ARCHITECTURES[fmt]
+    if arch != gguf.MODEL_ARCH.LLAMA and head_dim(config) * config.num_attention_heads != config.hidden_size:
         reasons.append(f"head_dim={head_dim(config)} x {config.num_attention_heads} heads != hidden_size="
-                       f"{config.hidden_size}: llama.cpp's {gguf.MODEL_ARCH_NAMES[ARCHITECTURES[fmt]]} derives the head size "
+                       f"{config.hidden_size}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch]} derives the head size "
                        "from hidden_size")
     if fmt == "qwen2_moe" and getattr(config, "norm_topk_prob", False):  # the export's config says
         reasons.append("top-k weights renormalised over the chosen experts: llama.cpp's qwen2moe weighs them by "
