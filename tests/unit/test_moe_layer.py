@@ -267,6 +267,20 @@ def test_neurons_common_to_every_expert_run_as_a_shared_part_with_the_same_outpu
     assert layer_bytes(layer) <= 1.15 * dense_bytes
 
 
+def test_argmax_router_weighs_one_and_still_trains_straight_through():
+    """ToMoE's router weighs its expert 1 (Eq. 13) also while it trains, and a loss on the weighted
+    outputs reaches its projection; without gradients nothing is added."""
+    router = ArgmaxRouter(16, 4)
+    torch.nn.init.normal_(router.proj.weight, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    dispatch = router(x)
+    assert torch.equal(dispatch.weight, torch.ones(32)) and dispatch.weight.requires_grad
+    (dispatch.weight * torch.arange(32.0)).sum().backward()
+    assert router.proj.weight.grad is not None and router.proj.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert not router(x).weight.requires_grad and torch.equal(router(x).weight, torch.ones(32))
+
+
 def test_experts_that_are_all_alike_keep_one_neuron_routed():
     mlp = random_mlp(d=16, d_h=32, gated=True, bias=False)
     same = torch.arange(0, 32, 2)

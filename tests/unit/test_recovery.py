@@ -104,11 +104,14 @@ def test_every_decoder_parameter_has_one_part_and_embeddings_none(make_ctx):
     assert all("self_attn" in n for n in parts["attention"]) and "model.norm.weight" in parts["norms"]
 
 
-def test_only_the_chosen_parts_change(make_ctx, stream):
-    dense, model = converted("cmoe", make_ctx)
+# ToMoE's routers weigh 1 and its attention's keep 0/1 masks: both train straight-through
+@pytest.mark.parametrize("method,parts", [("cmoe", "routers,norms"), ("tomoe", "routers,norms"),
+                                          ("tomoe", "attention")])
+def test_only_the_chosen_parts_change(make_ctx, stream, method, parts):
+    dense, model = converted(method, make_ctx)
     before = copy.deepcopy(model)
-    recovered, summary = run(model, dense, stream, recover_parts="routers,norms", recover_lr=1e-2)
-    chosen = {n for part in ("routers", "norms") for n in parameter_parts(recovered)[part]}
+    recovered, summary = run(model, dense, stream, recover_parts=parts, recover_lr=1e-2)
+    chosen = {n for part in parts.split(",") for n in parameter_parts(recovered)[part]}
     old = dict(before.named_parameters())
     for name, param in recovered.named_parameters():
         assert torch.equal(param, old[name]) != (name in chosen), name

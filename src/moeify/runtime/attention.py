@@ -146,10 +146,16 @@ class PrunedAttention(nn.Module):
 
     def _kept(self, x: Tensor) -> Tensor:
         """Each token's 0/1 mask of the value/output dimensions its router keeps, (b, t, 1, head_dim): one
-        mask for the value states and the attention output, broadcast over the heads."""
+        mask for the value states and the attention output, broadcast over the heads. Where the router
+        trains (a recovery after the conversion), the mask is m + s - sg(s), s = sigmoid of its logits:
+        still 0/1 exactly, with the sigmoid's straight-through gradient that ToMoE trained it with (Eq. 15)."""
         selected = self.router(x)  # (b, t, K)
         mask = torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype, device=x.device)
-        return mask.scatter(-1, selected, 1.0)[:, :, None, :]
+        mask = mask.scatter(-1, selected, 1.0)
+        if torch.is_grad_enabled() and self.router.proj_d.weight.requires_grad:
+            soft = torch.sigmoid(self.router.logits(x).float())
+            mask = mask + (soft - soft.detach()).to(mask.dtype)
+        return mask[:, :, None, :]
 
 
 def install_pruned_attention(model: nn.Module, moeify_block: dict[str, Any]) -> None:

@@ -335,7 +335,10 @@ class SoftmaxTopKRouter(nn.Module):
 class ArgmaxRouter(nn.Module):
     """ToMoE's MLP router after conversion (Eq. 13): logits x W^T (``proj``, no bias), the ``top_k``
     highest experts (top-1 in the paper) each with weight 1: G is one-hot and the expert output is not
-    scaled."""
+    scaled. A constant weight passes no gradient to ``proj``, so where ``proj`` trains (a recovery after
+    the conversion) the weight is 1 + p - sg(p), p the chosen experts' softmax probabilities: still 1
+    exactly, with the straight-through gradient of a Switch-style router (raise the logit of an expert
+    whose output the loss wants more of)."""
 
     kind = "argmax"
     expert_scale = 1.0
@@ -353,8 +356,13 @@ class ArgmaxRouter(nn.Module):
         return LinearForm(self.proj.weight.detach().double(), self.top_k, "unit")
 
     def forward(self, x: Tensor) -> Dispatch:
-        chosen = self.proj(x).topk(self.top_k, dim=-1).indices
-        return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
+        logits = self.proj(x)
+        chosen = logits.topk(self.top_k, dim=-1).indices
+        weight = torch.ones(chosen.shape, dtype=x.dtype, device=x.device)
+        if logits.requires_grad:  # straight-through: p - sg(p) is exactly 0
+            p = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+            weight = weight + (p - p.detach()).to(x.dtype)
+        return Dispatch.from_topk(chosen, weight, self.num_experts)
 
 
 class RandomRouter(nn.Module):
