@@ -5,7 +5,9 @@ Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go th
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
 granitemoe, Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
-experts, so the file holds E copies of their MLPs), each in every ``--quants``. Per row and quantisation,
+experts, so the file holds E copies of their MLPs), each in every ``--quants``; and two trained routings, as
+a model is served: CMoE at APR 0.5 recovered by distillation (compare_recovery's conversion) and ToMoE's row
+recovered (the default rows route by untrained margins that rounding crosses, which no served model has). Per row and quantisation,
 one JSON line in ``--out`` (with the form: ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
@@ -20,8 +22,9 @@ one JSON line in ``--out`` (with the form: ``format``):
 - perplexity through llama.cpp on the bench_real text (first 100,000 characters of WikiText-2 raw test, BOS
   once, non-overlapping 2048-token windows, each window's first token unscored: bench_real's protocol);
 - speed at batch 1, the CPU to itself (perplexity and speed with llama.cpp's default f16 KV cache for every
-  file but f32): prompt processing of a 512-token prompt and generation of 128 tokens
-  (tokens/s, median of ``--repeats``), with ``--threads`` threads.
+  file but f32): prompt processing of a 512-token prompt and generation of 128 tokens (tokens/s, median of
+  ``--repeats`` rounds, each running every row's file of the quantisation once, so each row's speed against
+  the dense model is the median of ratios measured side by side), with ``--threads`` threads.
 
 The conversions read the SmolLM2 GGUF itself, so the exports carry its tokenizer section as it is.
 llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
@@ -31,11 +34,15 @@ llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
     python benchmarks/serve_llamacpp.py [--rows dense,more,tomoe,cmoe,dense2moe] [--quants f32,f16,q8_0,q4_k_m]
     python benchmarks/serve_llamacpp.py --markdown    # the table of --out
 
-The docs' table came from four runs, the speed alone on the CPU:
+The docs' table came from these runs, the speed alone on the CPU (the recovered CMoE's agreement is not
+measured: its file is an approximation, as the default CMoE row's, whose agreement is):
 
-    python benchmarks/serve_llamacpp.py --quants f32 --measure agreement
+    python benchmarks/serve_llamacpp.py --rows dense,more,tomoe,cmoe,dense2moe,tomoe_recovered --quants f32 \
+        --measure agreement
     python benchmarks/serve_llamacpp.py --rows dense,more,tomoe --quants f32 --measure agreement --kv-cache f16
-    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure agreement,perplexity
+    python benchmarks/serve_llamacpp.py --rows dense,more,tomoe,cmoe,dense2moe,tomoe_recovered \
+        --quants f16,q8_0,q4_k_m --measure agreement,perplexity
+    python benchmarks/serve_llamacpp.py --rows cmoe_recovered --quants f16,q8_0,q4_k_m --measure perplexity
     python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed --repeats 5
 """
 
@@ -70,6 +77,12 @@ ROWS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]] | None] = {
     "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, ()),
     "cmoe": ("cmoe", {}, ("--approximate",)),
     "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}, ()),
+    # trained routings: compare_recovery's CMoE (APR 0.5, recovered with 200,000 tokens; a copy of that run's
+    # folder is this conversion) and the ToMoE row recovered with 50,000
+    "cmoe_recovered": ("cmoe", {"spec": "S5A6E32", "recover_tokens": 200_000, "recover_recompute": False},
+                       ("--approximate",)),
+    "tomoe_recovered": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0, "recover_tokens": 50_000,
+                                  "recover_recompute": False}, ()),
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 AGREEMENT_QUANTS = ("f32", "f16")
@@ -309,35 +322,50 @@ def perplexity(path: Path, tokens: list[int], threads: int, kv_cache: str) -> di
     return {"ppl": float(np.exp(nll / scored)), "scored_tokens": scored}
 
 
-def speed(path: Path, prompt: list[int], threads: int, repeats: int, kv_cache: str) -> dict[str, Any]:
+def speed(paths: dict[str, Path], prompt: list[int], threads: int, repeats: int,
+          kv_cache: str) -> dict[str, dict[str, Any]]:
     """Batch-1 prompt processing (``len(prompt)`` tokens) and greedy generation (``SPEED_NEW`` tokens) in
-    tokens/s: the median of ``repeats`` runs, after one warm-up run. Only the last position's logits are
-    computed, read from the context (llama-cpp-python keeps ``scores`` only with ``logits_all``)."""
+    tokens/s of each row's file, interleaved: every round runs each file once (in an order that turns each
+    round), so a slow spell of the CPU falls on every row alike; after one warm-up round, the median of
+    ``repeats`` rounds, and where ``dense`` is among them each row's median per-round ratio to it. Only the
+    last position's logits are computed, read from the context (llama-cpp-python keeps ``scores`` only with
+    ``logits_all``)."""
     import llama_cpp
     import numpy as np
 
-    llm = llama(path, len(prompt) + SPEED_NEW + 8, threads, kv_cache)
-    vocab = llm.n_vocab()
+    engines = {row: llama(path, len(prompt) + SPEED_NEW + 8, threads, kv_cache) for row, path in paths.items()}
 
-    def next_token() -> int:
-        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())
-
-    prefill, generate = [], []
-    for _ in range(repeats + 1):
+    def once(llm: Any) -> tuple[float, float]:
+        vocab = llm.n_vocab()
         llm.reset()
         began = time.perf_counter()
         llm.eval(prompt)
         prompted = time.perf_counter()
         for _ in range(SPEED_NEW):
-            llm.eval([next_token()])
-        done = time.perf_counter()
-        prefill.append(len(prompt) / (prompted - began))
-        generate.append(SPEED_NEW / (done - prompted))
-    prefill, generate = prefill[1:], generate[1:]
-    return {"prompt_tokens_per_s": statistics.median(prefill), "generation_tokens_per_s": statistics.median(generate),
-            "prompt_spread": (max(prefill) - min(prefill)) / statistics.median(prefill),
-            "generation_spread": (max(generate) - min(generate)) / statistics.median(generate),
-            "threads": threads, "repeats": repeats, "prompt_len": len(prompt), "new_tokens": SPEED_NEW}
+            llm.eval([int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())])
+        return len(prompt) / (prompted - began), SPEED_NEW / (time.perf_counter() - prompted)
+
+    order = list(engines)
+    runs: dict[str, list[tuple[float, float]]] = {row: [] for row in order}
+    for round_ in range(repeats + 1):
+        turned = order[round_ % len(order):] + order[:round_ % len(order)]
+        measured = {row: once(engines[row]) for row in turned}
+        if round_:  # the first round warms up
+            for row in order:
+                runs[row].append(measured[row])
+    results = {}
+    for row, pairs in runs.items():
+        prefill, generate = [p for p, _ in pairs], [g for _, g in pairs]
+        results[row] = {"prompt_tokens_per_s": statistics.median(prefill),
+                        "generation_tokens_per_s": statistics.median(generate),
+                        "prompt_spread": (max(prefill) - min(prefill)) / statistics.median(prefill),
+                        "generation_spread": (max(generate) - min(generate)) / statistics.median(generate),
+                        "threads": threads, "repeats": repeats, "prompt_len": len(prompt), "new_tokens": SPEED_NEW,
+                        "interleaved_with": order}
+        if "dense" in runs and row != "dense":
+            results[row].update({f"{kind}_x_dense": statistics.median(a[i] / b[i] for a, b in zip(pairs, runs["dense"]))
+                                 for i, kind in enumerate(("prompt", "generation"))})
+    return results
 
 
 def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
@@ -385,8 +413,9 @@ def markdown(path: Path) -> str:
         if "against_export" in row:  # an approximation: also against what the file holds
             agree += f" (its {row['against_export']['format']} export: {_agreement_cell(row['against_export'])})"
         dense = rows.get(("dense", quant, kv), {})
-        ratios = [f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
-                  for k in ("prompt_tokens_per_s", "generation_tokens_per_s")]
+        ratios = [f"{row[f'{kind}_x_dense']:.2f}x" if f"{kind}_x_dense" in row  # interleaved with dense
+                  else f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
+                  for kind, k in (("prompt", "prompt_tokens_per_s"), ("generation", "generation_tokens_per_s"))]
         ideal = f"{row['ideal_speedup']:.2f}x" if row.get("ideal_speedup") else "-"
         ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
         prompt = f"{row['prompt_tokens_per_s']:.0f}" if "prompt_tokens_per_s" in row else "-"
@@ -435,6 +464,8 @@ def main() -> None:
     if unknown := ([r for r in rows if r not in ROWS] + [q for q in quants if q not in QUANTS]
                    + [m for m in measures if m not in MEASURES]):
         parser.error(f"unknown rows, quants or measures: {', '.join(unknown)}")
+    if "speed" in measures and "dense" not in rows:
+        parser.error("speed is measured against the dense model in the same rounds: --rows must include dense")
     from moeify.calibration.data import read_text, token_stream
     from moeify.loading import load_model
 
@@ -446,23 +477,27 @@ def main() -> None:
     paragraphs = [line.strip() for line in EVAL.read_text().splitlines() if len(line.strip()) > 400]
     ids = [tokenizer(p)["input_ids"][:PROMPT_TOKENS] for p in paragraphs[:PROMPTS]]
     speed_prompt = tokenizer(EVAL.read_text()[200_000:260_000])["input_ids"][:SPEED_PROMPT]
-    for row in rows:
-        ideal = ideal_speedup(row, args.work, eval_text)
-        for quant in quants:
-            path = gguf_file(row, quant, args.work, eval_text)
-            kv_cache = kv_cache_type(quant, args.kv_cache)
-            result: dict[str, Any] = {"row": row, "quant": quant, "format": gguf_format(path),
-                                      "engine": "llama.cpp (llama-cpp-python 0.3.36)", "kv_cache": kv_cache,
-                                      "bytes": path.stat().st_size, "ideal_speedup": ideal}
+    ideal = {row: ideal_speedup(row, args.work, eval_text) for row in rows}
+
+    def line(row: str, quant: str, path: Path, kv_cache: str) -> dict[str, Any]:
+        return {"row": row, "quant": quant, "format": gguf_format(path), "engine": "llama.cpp (llama-cpp-python 0.3.36)",
+                "kv_cache": kv_cache, "bytes": path.stat().st_size, "ideal_speedup": ideal[row]}
+
+    for quant in quants:
+        kv_cache = kv_cache_type(quant, args.kv_cache)
+        paths = {row: gguf_file(row, quant, args.work, eval_text) for row in rows}
+        for row, path in paths.items() if {"agreement", "perplexity"} & set(measures) else ():
+            result = line(row, quant, path, kv_cache)
             if "agreement" in measures and quant in AGREEMENT_QUANTS:
                 result.update(agreement(row, path, args.work, eval_text, ids, args.threads, kv_cache))
                 if quant == "f32" and args.llama_cpp is not None:
                     result.update(converter_agreement(row, path, args.work, eval_text, args.llama_cpp))
             if "perplexity" in measures:
                 result.update(perplexity(path, tokens, args.threads, kv_cache))
-            if "speed" in measures:
-                result.update(speed(path, speed_prompt, args.threads, args.repeats, kv_cache))
             append_row(args.out, result)
+        if "speed" in measures:
+            for row, measured in speed(paths, speed_prompt, args.threads, args.repeats, kv_cache).items():
+                append_row(args.out, {**line(row, quant, paths[row], kv_cache), **measured})
 
 
 if __name__ == "__main__":
