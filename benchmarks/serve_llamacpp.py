@@ -5,10 +5,10 @@ Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go th
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
 granitemoe, Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
-experts, so the file holds E copies of their MLPs), each in every ``--quants``; and two trained routings, as
-a model is served: CMoE at APR 0.5 recovered by distillation (compare_recovery's conversion) and ToMoE's row
-recovered (the default rows route by untrained margins that rounding crosses, which no served model has). Per row and quantisation,
-one JSON line in ``--out`` (with the form: ``format``):
+experts, so the file holds E copies of their MLPs), each in every ``--quants``; and two rows trained
+further, as a served model is: CMoE at APR 0.5 recovered by distillation (compare_recovery's conversion) and
+ToMoE's row recovered (the default rows route by untrained margins that rounding crosses). Per row and
+quantisation, one JSON line in ``--out`` (with the form: ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
   token ids, against moeify's native model (float32), the f32 file with a float32 KV cache (``--kv-cache``:

@@ -359,7 +359,7 @@ class ArgmaxRouter(nn.Module):
         logits = self.proj(x)
         chosen = logits.topk(self.top_k, dim=-1).indices
         weight = torch.ones(chosen.shape, dtype=x.dtype, device=x.device)
-        if logits.requires_grad:  # straight-through: p - sg(p) is exactly 0
+        if torch.is_grad_enabled() and self.proj.weight.requires_grad:  # straight-through: p - sg(p) is exactly 0
             p = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
             weight = weight + (p - p.detach()).to(x.dtype)
         return Dispatch.from_topk(chosen, weight, self.num_experts)
