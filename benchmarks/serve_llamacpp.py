@@ -77,11 +77,10 @@ ROWS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]] | None] = {
     "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, ()),
     "cmoe": ("cmoe", {}, ("--approximate",)),
     "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}, ()),
-    # trained routings: compare_recovery's CMoE (APR 0.5, recovered with 200,000 tokens; a copy of that run's
-    # folder is this conversion) and the ToMoE row recovered with 50,000
-    "cmoe_recovered": ("cmoe", {"spec": "S5A6E32", "recover_tokens": 200_000, "recover_recompute": False},
-                       ("--approximate",)),
-    "tomoe_recovered": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0, "recover_tokens": 50_000,
+    # the default CMoE and ToMoE trained further by distillation (`recover_tokens`), as a served model is:
+    # the untrained rows route by margins that rounding crosses
+    "cmoe_recovered": ("cmoe", {"recover_tokens": 100_000, "recover_recompute": False}, ("--approximate",)),
+    "tomoe_recovered": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0, "recover_tokens": 200_000,
                                   "recover_recompute": False}, ()),
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
@@ -119,6 +118,13 @@ def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
 
         model = load_model(str(MODEL), dtype="float32")[0]
         write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
+        return out
+    from moeify.export.gguf.quantize import LLAMA_QUANTS, llama_quantize
+    from moeify.files import atomic_file
+
+    if quant in LLAMA_QUANTS:  # as `moeify export --quant` does: llama.cpp quantises the f16 file (one fit)
+        with atomic_file(out) as tmp:
+            llama_quantize(gguf_file(row, "f16", work, eval_text), tmp, quant)
         return out
     moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", "gguf", "--quant", quant,
                "--out", str(out), *export_options(row, eval_text))
