@@ -5,10 +5,10 @@ Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go th
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
 granitemoe, Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
-experts, so the file holds E copies of their MLPs), each in every ``--quants``; and two rows trained
-further, as a served model is: CMoE at APR 0.5 recovered by distillation (compare_recovery's conversion) and
-ToMoE's row recovered (the default rows route by untrained margins that rounding crosses). Per row and
-quantisation, one JSON line in ``--out`` (with the form: ``format``):
+experts, so the file holds E copies of their MLPs), each in every ``--quants``; and the CMoE and ToMoE
+rows trained further by distillation (``recover_tokens``), as a served model is (the untrained rows route
+by margins that rounding crosses). Per row and quantisation, one JSON line in ``--out`` (with the row's
+definition, ``conversion``, and its form, ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
   token ids, against moeify's native model (float32), the f32 file with a float32 KV cache (``--kv-cache``:
@@ -43,7 +43,9 @@ measured: its file is an approximation, as the default CMoE row's, whose agreeme
     python benchmarks/serve_llamacpp.py --rows dense,more,tomoe,cmoe,dense2moe,tomoe_recovered \
         --quants f16,q8_0,q4_k_m --measure agreement,perplexity
     python benchmarks/serve_llamacpp.py --rows cmoe_recovered --quants f16,q8_0,q4_k_m --measure perplexity
-    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed --repeats 5
+    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed --repeats 9
+    python benchmarks/serve_llamacpp.py --rows dense,cmoe,tomoe,cmoe_recovered,tomoe_recovered --quants q4_k_m \
+        --measure speed --repeats 9 --threads 1 --out benchmarks/results/serve_llamacpp_threads1.jsonl
 """
 
 from __future__ import annotations
@@ -129,6 +131,15 @@ def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
     moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", "gguf", "--quant", quant,
                "--out", str(out), *export_options(row, eval_text))
     return out
+
+
+def conversion(row: str) -> dict[str, Any] | None:
+    """What ``row`` is (method, conversion options, export options), written with each of its lines so that
+    the table takes only the lines of the row's latest definition; None for the dense model."""
+    if ROWS[row] is None:
+        return None
+    method, options, export = ROWS[row]
+    return {"method": method, "options": options, "export": list(export)}
 
 
 def export_options(row: str, eval_text: Path) -> tuple[str, ...]:
@@ -392,8 +403,8 @@ def _agreement_cell(result: dict[str, Any]) -> str:
 
 
 def markdown(path: Path) -> str:
-    """One line per (row, quantisation, KV cache), the latest of each in the row's latest form (its format
-    named with the row): perplexity through llama.cpp and its
+    """One line per (row, quantisation, KV cache), the latest of each in the row's latest definition and form
+    (its format named with the row): perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
     the same quantisation; a KV cache other than the quantisation's default (``kv_cache_type``) is named in
     the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
@@ -401,11 +412,14 @@ def markdown(path: Path) -> str:
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     converted: dict[str, dict[str, Any]] = {}
     measured = read_rows(path)
-    latest_format = {line["row"]: line["format"] for line in measured if "quant" in line}
+    def made(line: dict[str, Any]) -> tuple[str, str]:
+        return line["format"], json.dumps(line.get("conversion"), sort_keys=True)
+
+    latest = {line["row"]: made(line) for line in measured if "quant" in line}
     for line in measured:  # a later line's measurements replace an earlier one's, key by key
         if "quant" not in line:
             converted[line["row"]] = line
-        elif line["format"] == latest_format[line["row"]]:  # a row written in another form since: left out
+        elif made(line) == latest[line["row"]]:  # a row converted or written otherwise since: left out
             rows.setdefault((line["row"], line["quant"], line["kv_cache"]), {}).update(line)
     lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
               "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),
@@ -486,8 +500,9 @@ def main() -> None:
     ideal = {row: ideal_speedup(row, args.work, eval_text) for row in rows}
 
     def line(row: str, quant: str, path: Path, kv_cache: str) -> dict[str, Any]:
-        return {"row": row, "quant": quant, "format": gguf_format(path), "engine": "llama.cpp (llama-cpp-python 0.3.36)",
-                "kv_cache": kv_cache, "bytes": path.stat().st_size, "ideal_speedup": ideal[row]}
+        return {"row": row, "conversion": conversion(row), "quant": quant, "format": gguf_format(path),
+                "engine": "llama.cpp (llama-cpp-python 0.3.36)", "kv_cache": kv_cache, "bytes": path.stat().st_size,
+                "ideal_speedup": ideal[row]}
 
     for quant in quants:
         kv_cache = kv_cache_type(quant, args.kv_cache)
