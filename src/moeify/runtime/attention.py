@@ -57,12 +57,9 @@ class HeadDimRouter(nn.Module):
     def logits(self, x: Tensor) -> Tensor:
         return self.proj_d(nn.functional.gelu(self.norm(self.proj_e(x))))
 
-    def choose(self, logits: Tensor) -> Tensor:
-        """(..., top_k) indices of the kept head dimensions of every token, ascending."""
-        return logits.topk(self.top_k, dim=-1).indices.sort(dim=-1).values
-
     def forward(self, x: Tensor) -> Tensor:
-        return self.choose(self.logits(x))
+        """(..., top_k) indices of the kept head dimensions of every token, ascending."""
+        return self.logits(x).topk(self.top_k, dim=-1).indices.sort(dim=-1).values
 
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, "embed_dim": self.proj_e.out_features, "top_k": self.top_k}
@@ -152,12 +149,11 @@ class PrunedAttention(nn.Module):
         mask for the value states and the attention output, broadcast over the heads. Where the router
         trains (a recovery after the conversion), the mask is m + s - sg(s), s = sigmoid of its logits:
         still 0/1 exactly, with the sigmoid's straight-through gradient that ToMoE trained it with (Eq. 15)."""
-        logits = self.router.logits(x)
-        selected = self.router.choose(logits)  # (b, t, K)
+        selected = self.router(x)  # (b, t, K)
         mask = torch.zeros(*selected.shape[:-1], self.head_dim, dtype=self.v_proj.weight.dtype, device=x.device)
         mask = mask.scatter(-1, selected, 1.0)
         if torch.is_grad_enabled() and self.router.proj_d.weight.requires_grad:
-            soft = torch.sigmoid(logits.float())
+            soft = torch.sigmoid(self.router.logits(x).float())
             mask = mask + (soft - soft.detach()).to(mask.dtype)
         return mask[:, :, None, :]
 
