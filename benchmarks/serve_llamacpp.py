@@ -412,6 +412,7 @@ def markdown(path: Path) -> str:
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     converted: dict[str, dict[str, Any]] = {}
     measured = read_rows(path)
+
     def made(line: dict[str, Any]) -> tuple[str, str]:
         return line["format"], json.dumps(line.get("conversion"), sort_keys=True)
 
