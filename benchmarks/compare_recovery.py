@@ -31,7 +31,7 @@ from bench_real import CALIB, MODEL, write_eval_prefix  # this folder is on sys.
 
 HERE = Path(__file__).resolve().parent
 EVAL_CHARS = 100_000
-# cmoe first: its recovered conversion is also serve_llamacpp's cmoe_recovered row
+# in the order the run converts and recovers them
 METHODS = ("cmoe", "tomoe", "static_prune", "more", "teal", "dense2moe", "random_split")
 LM_METHODS = ("cmoe", "static_prune")  # the LM-loss comparison's
 BUDGETS = (50_000, 100_000, 200_000)
