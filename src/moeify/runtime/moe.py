@@ -164,8 +164,11 @@ class MoeMLP(nn.Module):
         y = routed_output(x, dispatch)
         if dispatch.slot is None:  # a token-dependent number of experts: add in dispatch order
             return (shared if shared is not None else torch.zeros_like(x)).index_add(0, dispatch.token, y)
-        routed = torch.empty_like(y)
-        routed[dispatch.slot] = y
+        # pair i holds slot[i]: gathering by the inverse permutation puts them in slot order, as the
+        # scatter routed[slot] = y would, in one read of y (a scatter of rows is far slower on a CPU)
+        inverse = torch.empty_like(dispatch.slot)
+        inverse[dispatch.slot] = torch.arange(len(inverse), device=inverse.device)
+        routed = y.index_select(0, inverse)
         if dispatch.top_k > 1:
             routed = routed.view(x.shape[0], dispatch.top_k, -1).sum(dim=1)
         return routed if shared is None else routed + shared

@@ -139,9 +139,12 @@ class PackedExperts:
         return F.linear(h, down)
 
     def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:
-        """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order."""
+        """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order. The
+        (pairs, d) tensors are the layer's largest: one ``index_select`` gathers the rows and the weights
+        multiply in place (the same float32 values as indexing and a new product, without allocating and
+        faulting in another such tensor: several times faster on a CPU)."""
         offsets = torch.cumsum(dispatch.counts, 0, dtype=torch.int32)
-        h = grouped_linear(x[dispatch.token], self.first, offsets)
+        h = grouped_linear(x.index_select(0, dispatch.token), self.first, offsets)
         if self.first_bias is not None:
             h = h + self.first_bias[dispatch.expert]
         if self.gated:
@@ -149,7 +152,7 @@ class PackedExperts:
             h = self.act(gate) * up
         else:
             h = self.act(h)
-        return grouped_linear(h, self.down, offsets) * dispatch.weight[:, None]
+        return grouped_linear(h, self.down, offsets).mul_(dispatch.weight[:, None])
 
 
 def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Dispatch, width: int,
