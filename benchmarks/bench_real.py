@@ -85,6 +85,8 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "static_prune": ("static_prune", {}),
     "teal": ("teal", {}),
     "cmoe_apr0.5": ("cmoe", {"apr": 0.5}),
+    # ... at the paper's granularity E16 (APR 0.484, inside 0.5 +- 0.02): 96-neuron experts, top-3 in place of top-6
+    "cmoe_S2A3E16": ("cmoe", {"spec": "S2A3E16"}),
     "more_apr0.5": ("more", {"apr": 0.5}),
     "random_split_apr0.5": ("random_split", {"apr": 0.5}),
     # the training methods at a CPU budget, at their papers' learning rates, with their ablations

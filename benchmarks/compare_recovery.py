@@ -41,6 +41,9 @@ METHOD_OPTIONS = {"tomoe.steps": "250", "dense2moe.steps": "30", "dense2moe.seq_
                   "more.target_pr": "0.56"}
 # activations kept for the backward pass: a 135M model at 4 x 512 tokens fits this machine without recomputing
 RECOVERY = {"recover_recompute": "false"}
+# a speed pass whose slowest timed pass is this far above its fastest (relative to the median) was disturbed
+# (another job on the CPU): its speed-up is printed flagged, to be measured again with ``moeify bench``
+NOISY_SPREAD = 0.5
 NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resumed)
 
 
@@ -90,6 +93,7 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
                        curve=[(0, record["pre_recovery"]["ppl"])] + [(p["tokens"], p["ppl"]) for p in recovery["curve"]]
                        + [(recovery["tokens"], record["metrics"]["ppl"])],
                        speedup=record["speed"]["speedup"] if record.get("speed") else None,
+                       speed_spread=max(record["speed"]["spread"].values()) if record.get("speed") else None,
                        convert_s=record["timings"]["convert_s"], recover_s=recovery["wall_s"],
                        trainable_params=recovery["trainable_params"], recovery_options=recovery["options"],
                        eval=record["data"]["eval"], versions=record["versions"])
@@ -105,6 +109,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in sorted((r for r in rows if "curve" in r), key=lambda r: r["ppl"]):
         after = " | ".join(f"{ppl:.2f}" for _, ppl in r["curve"][1:])
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        if r["speedup"] and (r.get("speed_spread") or 0) > NOISY_SPREAD:
+            speed += f" (disturbed: spread {r['speed_spread']:.0%})"
         lines.append(f"| {r['method']} | {r['apr']:.3f} | {r['ppl_before']:.2f} | {after} | "
                      f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
     lines += [f"| {r['method']} | {r['error'] if r['error'] == NOT_RUN else 'failed: ' + r['error']} |"
