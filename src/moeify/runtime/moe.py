@@ -165,7 +165,7 @@ class MoeMLP(nn.Module):
         if dispatch.slot is None:  # a token-dependent number of experts: add in dispatch order
             return (shared if shared is not None else torch.zeros_like(x)).index_add(0, dispatch.token, y)
         # pair i holds slot[i]: gathering by the inverse permutation puts them in slot order, as the
-        # scatter routed[slot] = y would, in one read of y (a scatter of rows is far slower on a CPU)
+        # scatter routed[slot] = y would, in one read of y (a row scatter is the slower copy on a CPU)
         inverse = torch.empty_like(dispatch.slot)
         inverse[dispatch.slot] = torch.arange(len(inverse), device=inverse.device)
         routed = y.index_select(0, inverse)

@@ -141,8 +141,8 @@ class PackedExperts:
     def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:
         """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order. The
         (pairs, d) tensors are the layer's largest: one ``index_select`` gathers the rows and the weights
-        multiply in place (the same float32 values as indexing and a new product, without allocating and
-        faulting in another such tensor: several times faster on a CPU)."""
+        multiply in place: the same values as indexing and a new product, without allocating and faulting
+        in another such tensor (what a CPU's memory bandwidth pays for)."""
         offsets = torch.cumsum(dispatch.counts, 0, dtype=torch.int32)
         h = grouped_linear(x.index_select(0, dispatch.token), self.first, offsets)
         if self.first_bias is not None:
