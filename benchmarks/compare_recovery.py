@@ -7,11 +7,13 @@ WikiText-2 raw test, 2048-token windows), the methods' own training at a CPU bud
 and the recovery at moeify's defaults but for activation checkpointing (``RECOVERY``). Each method's record
 gives its perplexity before the recovery and after each budget, its APR measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
 ``--markdown`` prints the table of what the results file holds; the run's curve is copied into ``docs/assets/``.
-``--loss lm`` runs the same comparison for CMoE and static pruning with the LM loss in place of the
+``--methods`` runs part of the methods (the same command and settings, the others' rows kept): the run folders
+do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
+each row saying its moeify version. ``--loss lm`` runs the same comparison for CMoE and static pruning with the LM loss in place of the
 distillation (``recover_lm_share=1``), into its own results file; its ``--markdown`` sets each budget's
 perplexity of both losses side by side.
 
-    python benchmarks/compare_recovery.py [--loss kd|lm] [--out DIR] [--resume]
+    python benchmarks/compare_recovery.py [--loss kd|lm] [--out DIR] [--resume] [--methods a,b]
     python benchmarks/compare_recovery.py [--loss kd|lm] --collect [--out DIR]  # rows of a run going or stopped
     python benchmarks/compare_recovery.py [--loss kd|lm] --markdown
 """
@@ -20,14 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench_real import CALIB, MODEL, write_eval_prefix  # this folder is on sys.path when run
+
+from moeify.files import write_output_file
 
 HERE = Path(__file__).resolve().parent
 EVAL_CHARS = 100_000
@@ -66,6 +69,7 @@ RUNS = {"kd": Run(METHODS, {}, HERE / "results" / "compare_recovery.jsonl", FIGU
 
 
 def command(run: Run, out: Path, extra: list[str]) -> list[str]:
+    """The ``moeify compare`` command line of ``run``'s methods."""
     out.parent.mkdir(parents=True, exist_ok=True)
     eval_file = write_eval_prefix(EVAL_CHARS, out.parent)
     options = {key: value for key, value in METHOD_OPTIONS.items() if key.split(".")[0] in run.methods}
@@ -138,6 +142,16 @@ def rows_of(run: Run) -> list[dict[str, Any]]:
     return [json.loads(line) for line in run.results.read_text().splitlines()] if run.results.is_file() else []
 
 
+def merge(kept: list[dict[str, Any]], new: list[dict[str, Any]], order: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The results file's rows after a run of some methods: each method's new row, but a finished row is never
+    replaced by one not finished; methods the run did not touch keep their rows; in the comparison's order."""
+    rows = {r["method"]: r for r in kept}
+    for row in new:
+        if "curve" in row or "curve" not in rows.get(row["method"], {}):
+            rows[row["method"]] = row
+    return [rows.get(m, {"method": m, "matched": "-", "options": None, "error": NOT_RUN}) for m in order]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss", choices=sorted(RUNS), default="kd",
@@ -146,8 +160,14 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
+    parser.add_argument("--methods", help="comma-separated part of the comparison's methods to run (default: all)")
     args = parser.parse_args()
     run = RUNS[args.loss]
+    if args.methods:
+        picked = tuple(args.methods.split(","))
+        if unknown := [m for m in picked if m not in run.methods]:
+            parser.error(f"--methods {','.join(unknown)}: not in this comparison ({','.join(run.methods)})")
+        run = replace(run, methods=picked)
     out = args.out or run.out
     if args.markdown:
         print(markdown(rows_of(run)) if args.loss == "kd" else versus(rows_of(RUNS["kd"]), rows_of(run)))
@@ -156,15 +176,13 @@ def main() -> None:
         done = subprocess.run(command(run, out, ["--resume"] if args.resume else []), check=False)
         if done.returncode:
             sys.exit(done.returncode)
-    rows = collect(run, out)
-    run.results.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    report = out / "report"
-    if not (report / "recovery.png").is_file():  # a run not finished: the report of the methods it has done
-        from moeify.report.build import write_report
+    rows = merge(rows_of(run), collect(run, out), RUNS[args.loss].methods)
+    write_output_file(run.results, "".join(json.dumps(row) + "\n" for row in rows))
+    finished = [r for r in rows if "curve" in r]
+    if finished:
+        from moeify.report.build import recovery_plot
 
-        report = write_report([Path(r["folder"]) for r in rows if "curve" in r], out.parent / f"{out.name}_partial_report",
-                              overwrite=True)
-    shutil.copyfile(report / "recovery.png", run.curve)
+        run.curve.write_bytes(recovery_plot({r["method"]: r["curve"] for r in finished}, finished[0]["dense_ppl"]))
     print(markdown(rows))
 
 

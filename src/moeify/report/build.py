@@ -92,21 +92,46 @@ def _figure(plt, width: float = 6.0, height: float = 4.0):
     return plt.subplots(figsize=(width, height), dpi=120)
 
 
-def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
-    """PNG bytes by file name."""
-    import io
-
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _png(plt, fig) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def recovery_plot(curves: dict[str, list[tuple[int, float]]], dense_ppl: float) -> bytes:
+    """PNG of perplexity against recovery tokens, one line per run (name -> its ``recovery_curve``); it needs
+    only the curves, so a comparison whose run folders are gone can still be drawn from its rows."""
+    plt = _pyplot()
+    fig, ax = _figure(plt)
+    for name, curve in curves.items():
+        ax.plot([t for t, _ in curve], [ppl for _, ppl in curve], marker="o", label=name)
+    ax.axhline(dense_ppl, color="black", lw=0.8, label=f"dense ({dense_ppl:.2f})")
+    ax.set(xlabel="recovery tokens", ylabel="perplexity (log scale)", yscale="log",
+           title="Perplexity against recovery tokens")
+    ax.xaxis.set_major_formatter(lambda tokens, _: f"{tokens / 1000:g}k")
+    ax.legend(fontsize=8)
+    return _png(plt, fig)
+
+
+def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
+    """PNG bytes by file name."""
+    plt = _pyplot()
+
     def png(fig) -> bytes:
-        buffer = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buffer, format="png")
-        plt.close(fig)
-        return buffer.getvalue()
+        return _png(plt, fig)
 
     out = {}
     fig, ax = _figure(plt)
@@ -152,17 +177,8 @@ def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
 
     recovered = [r for r in runs if r.get("recovery")]
     if recovered:
-        fig, ax = _figure(plt)
-        for r in recovered:
-            curve = recovery_curve(r)
-            ax.plot([t for t, _ in curve], [ppl for _, ppl in curve], marker="o", label=r["_name"])
-        dense = recovered[0]["metrics"]["dense_ppl"]
-        ax.axhline(dense, color="black", lw=0.8, label=f"dense ({dense:.2f})")
-        ax.set(xlabel="recovery tokens", ylabel="perplexity (log scale)", yscale="log",
-               title="Perplexity against recovery tokens")
-        ax.xaxis.set_major_formatter(lambda tokens, _: f"{tokens / 1000:g}k")
-        ax.legend(fontsize=8)
-        out["recovery.png"] = png(fig)
+        out["recovery.png"] = recovery_plot({r["_name"]: recovery_curve(r) for r in recovered},
+                                            recovered[0]["metrics"]["dense_ppl"])
 
     timed = [r for r in runs if r.get("speed")]
     if timed:
