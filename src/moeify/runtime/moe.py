@@ -184,6 +184,9 @@ class MoeMLP(nn.Module):
                    for m in (neurons.get("gate"), neurons["up"], part._modules["down"]) if m is not None]
         if any(type(m) is not nn.Linear for m in linears):
             return None
+        if torch.compiler.is_compiling():  # a graph cannot compare data pointers: it runs the copy built eagerly
+            return self._packed[1] if self._packed is not None else PackedExperts.from_experts(
+                list(self.experts), self.shared, self.router.expert_scale, self.packed_widths)
         widths = self.packed_widths
         key = (widths, self.router.expert_scale,
                tuple((t.data_ptr(), t._version) for m in linears for t in m._parameters.values() if t is not None))

@@ -34,14 +34,19 @@ def packed_widths(expert_widths: list[int], shared_widths: list[int]) -> tuple[i
 
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# what torch.compile traces grouped_mm in (its meta kernel, torch 2.13); other dtypes take the per-expert loop,
+# a graph break
+COMPILED_GROUPED_MM_DTYPES = (torch.bfloat16,)
 
 
 def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """``x`` (rows sorted by expert; expert e's rows end at ``offsets[e]``) times ``weight[e].T``
     (weight: (experts, out, in)) -> (rows, out): torch's grouped_mm, as transformers' experts run it,
-    or one matmul per expert where grouped_mm has no kernel (float64; older torch or GPUs)."""
+    or one matmul per expert where grouped_mm has no kernel (float64; older torch or GPUs; a compiled
+    graph in float32)."""
     grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if grouped is not None and x.dtype in GROUPED_MM_DTYPES:
+    dtypes = COMPILED_GROUPED_MM_DTYPES if torch.compiler.is_compiling() else GROUPED_MM_DTYPES
+    if grouped is not None and x.dtype in dtypes:
         try:
             return grouped(x, weight.transpose(-2, -1), offs=offsets)
         except (RuntimeError, NotImplementedError):  # e.g. a GPU without a grouped_mm kernel
@@ -122,11 +127,15 @@ class PackedExperts:
         with torch.no_grad():
             union_down = experts.down.weight  # (d, union)
             d = union_down.shape[0]
-            down = union_down.new_empty(len(used), d, width)
-            # columns picked by one gather straight into their block (an index_select along dim 1 and a
-            # permuted copy measured slower, several times so in bfloat16)
-            torch.gather(union_down.expand(len(used), d, -1), 2, index[:, None, :].expand(-1, d, w), out=down[..., :w])
-            down[..., w:] = 0
+            columns = (union_down.expand(len(used), d, -1), 2, index[:, None, :].expand(-1, d, w))
+            if torch.compiler.is_compiling():  # a graph takes no strided out=; the compiler fuses the padding
+                down = F.pad(torch.gather(*columns), (0, width - w))
+            else:
+                # columns picked by one gather straight into their block (an index_select along dim 1 and a
+                # permuted copy measured slower, several times so in bfloat16)
+                down = union_down.new_empty(len(used), d, width)
+                torch.gather(*columns, out=down[..., :w])
+                down[..., w:] = 0
             if expert_scale != 1.0:
                 down[..., :w] *= float(expert_scale)
             return cls(act=neurons.act, gated=neurons.gated, first=first("weight"), first_bias=first("bias"),
@@ -152,7 +161,10 @@ class PackedExperts:
             h = self.act(gate) * up
         else:
             h = self.act(h)
-        return grouped_linear(h, self.down, offsets).mul_(dispatch.weight[:, None])
+        y = grouped_linear(h, self.down, offsets)
+        if dispatch.real is not None:  # rows past the last group were not computed: whatever they hold, 0
+            return torch.where(dispatch.real[:, None], y * dispatch.weight[:, None], 0)
+        return y.mul_(dispatch.weight[:, None])
 
 
 def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Dispatch, width: int,
@@ -161,8 +173,13 @@ def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Disp
     gathered from the union into the packed layout (zero-padded to ``width``) for this forward only, in
     one gather per weight, then one grouped matmul per projection (as the export runs them, each expert's
     product on its own), so the sums are the packed layout's without a lasting second copy of the layer.
-    A decode step gathers only the few experts its tokens chose."""
-    used = dispatch.counts.nonzero().flatten()
-    position = torch.cumsum(dispatch.counts > 0, 0) - 1  # expert id -> its place among the used ones
+    A decode step gathers only the few experts its tokens chose: the experts with tokens come first (in
+    ascending id), and as many are gathered as there can be distinct ones, min(pairs, experts), a number
+    known from shapes alone (no host sync, no data-dependent shape: ``torch.compile`` traces it), at the
+    cost of gathering an expert without tokens where fewer distinct ones were chosen."""
+    has_tokens = dispatch.counts > 0
+    most = min(dispatch.expert.shape[0], dispatch.counts.shape[0])
+    used = torch.argsort(~has_tokens, stable=True)[:most]  # ids with tokens ascending, then ids without
+    position = torch.cumsum(has_tokens, 0) - 1  # expert id -> its place among the used ones
     local = replace(dispatch, expert=position[dispatch.expert], counts=dispatch.counts[used])
     return PackedExperts.gathered(experts, expert_scale, width, used).routed_output(x, local)

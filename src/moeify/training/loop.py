@@ -325,5 +325,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, stream: Tensor, pl
                                         checkpointing.fingerprint, precision.state(), write=is_main())
                     barrier()
     finally:
+        # the last step's gradients would stay as large as the trained parameters (in float32) in every
+        # later forward and in a saved model's memory, and make a bfloat16 model uncompilable
+        optimizer.zero_grad(set_to_none=True)
         model.eval()
     return log
