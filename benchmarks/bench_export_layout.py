@@ -71,12 +71,11 @@ def per_expert_path():
 
 
 def speeds(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, float]:
-    from moeify.evaluation.speed import decode_tokens_per_s, forward_tokens_per_s
+    from moeify.evaluation.speed import decode_speed, forward_tokens_per_s
 
     return {"prefill_tokens_per_s": round(forward_tokens_per_s(model, args.batch, args.seq, repeats=args.repeats,
                                                                warmup=1), 1),
-            "decode_tokens_per_s": round(decode_tokens_per_s(model, 1, 32, args.new_tokens,
-                                                             repeats=args.repeats), 1)}
+            "decode_tokens_per_s": round(decode_speed(model, 1, 32, args.new_tokens, repeats=args.repeats)[0], 1)}
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -77,3 +77,17 @@ def test_inductor_compiles_top_k_shared_neuron_and_threshold_layers_within_bfloa
             torch.testing.assert_close(compiled(x).float(), layer(x).float(), atol=BF16_ATOL, rtol=0)
             torch.testing.assert_close(compiled(x[:1, :5]).float(), layer(x[:1, :5]).float(), atol=BF16_ATOL,
                                        rtol=0)  # a second shape: a decode-sized batch
+
+
+@pytest.mark.slow
+def test_bench_compiles_both_models_alike_and_times_prefill_and_decode(tokenizer, calib_text):
+    from moeify.evaluation.bench import benchmark_pair
+
+    dense = tiny_model("llama", **STORIES_VOCAB).to(torch.bfloat16)
+    torch._dynamo.reset()
+    result = benchmark_pair(dense, converted("cmoe", tokenizer, calib_text), [(2, 16)], [2], prompt_len=8,
+                            new_tokens=3, repeats=1, compile=True)
+    assert result["compiled"] and result["prefill"][0]["moe"] > 0 and result["decode"][0]["moe"] > 0
+    with pytest.raises(ValueError, match="compiling needs the models in bfloat16"):
+        benchmark_pair(dense.float(), converted("cmoe", tokenizer, calib_text).float(), [(2, 16)], [2],
+                       prompt_len=8, new_tokens=3, repeats=1, compile=True)

@@ -81,5 +81,5 @@ def test_bench_measures_a_threshold_router_without_a_nominal_count(converted):
     from moeify.evaluation.bench import benchmark_pair
 
     dense, _ = moeify.load_model(None)
-    result = benchmark_pair(dense, moeify.load(converted), [1], seq_len=16, new_tokens=2, repeats=1)
+    result = benchmark_pair(dense, moeify.load(converted), [(1, 16)], [1], prompt_len=16, new_tokens=2, repeats=1)
     assert result["ideal_speedup"] > 1  # from the routing measured on a batch: DSMoE has switched experts off

@@ -110,14 +110,29 @@ def test_report_from_records(two_runs, tmp_path, capsys):
 
 
 @pytest.mark.slow  # two_runs
-def test_bench_measures_both_models(two_runs, tmp_path):
+def test_bench_measures_both_models_keeps_them_in_the_record_and_the_report_shows_them(two_runs, tmp_path,
+                                                                                    capsys):
+    run = tmp_path / "a"
+    shutil.copytree(two_runs / "a", run)
     out = tmp_path / "bench.json"
-    assert main(["bench", str(two_runs / "a"), "--batch-sizes", "1,2", "--seq-len", "32", "--new-tokens", "4",
-                 "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["bench", str(run), "--prefill", "1x32,2x16", "--decode", "1,2", "--prompt-len", "16",
+                 "--new-tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [p["batch_size"] for p in result["prefill"]] == [1, 2]
-    assert all(p["dense"] > 0 and p["moe"] > 0 for p in result["prefill"]) and result["decode"]["moe"] > 0
+    assert [(p["batch_size"], p["seq_len"]) for p in result["prefill"]] == [(1, 32), (2, 16)]
+    assert [d["batch_size"] for d in result["decode"]] == [1, 2] and not result["compiled"]
+    assert all(p["dense"] > 0 and p["moe"] > 0 and p["spread"]["moe"] >= 0
+               for p in result["prefill"] + result["decode"])
     assert result["ideal_speedup"] > 1  # 25 % of the MLP active
+    assert read_conversion_record(run).bench == {"eager": result}  # kept in the record, as the typed record reads it
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    assert "| a | eager (cpu) | 1x32: " in (tmp_path / "report" / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["bench", str(run), "--prefill", "1x4096"]) == 2  # longer than the model's positions
+    assert "prefill 1x4096 is longer than the model's" in capsys.readouterr().err
+    for flags, message in ((["--prefill", "8by256"], "is not BATCHxTOKENS"), (["--new-tokens", "1"], ">= 2"),
+                           (["--compile", "--dtype", "float32"], "--compile needs --dtype bfloat16")):
+        assert main(["bench", str(run), *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_compare_refuses_an_existing_out_resumes_complete_runs_of_its_options_and_replaces_only_its_own(

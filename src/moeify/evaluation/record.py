@@ -26,7 +26,8 @@ class ConversionRecord:
     against the dense one in the same process (None when not measured); ``timings``: seconds of the
     conversion, the recovery and the analysis; ``memory``: the plan's peak against the measured ones;
     ``artifacts``: the files written beside the record; ``details``: the method's own (``Conversion``);
-    ``pre_recovery`` / ``recovery``: a recovered run's measurements before it and the recovery's log."""
+    ``pre_recovery`` / ``recovery``: a recovered run's measurements before it and the recovery's log;
+    ``bench``: the latest ``moeify bench`` of the folder, eager and compiled, each in its own slot."""
 
     method: str
     paper: str
@@ -47,11 +48,12 @@ class ConversionRecord:
     recovery: dict[str, Any] | None = None
     versions: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    bench: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON form: every field, but the recovery's two when the run was not recovered."""
+        """The JSON form: every field, but those of a recovery and a bench the run has not had."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if not (f.name in ("pre_recovery", "recovery") and getattr(self, f.name) is None)}
+                if not (f.name in ("pre_recovery", "recovery", "bench") and getattr(self, f.name) is None)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: object = "record") -> ConversionRecord:

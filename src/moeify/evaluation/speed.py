@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 SPEED_SHAPE = (8, 256)  # batch, sequence of the speed measurement that convert and recover record
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":  # kernels run asynchronously: a timer must wait for them
+        torch.cuda.synchronize(device)
+
+
+def _timed(run: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``run`` after ``warmup`` untimed ones (which also compile a
+    compiled model and record its CUDA graphs)."""
+    times = []
+    for i in range(warmup + repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        run()
+        _synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _spread(times: list[float]) -> float:
+    """(slowest - fastest) / median: how much a noisy machine disturbed the timed passes."""
+    return (max(times) - min(times)) / statistics.median(times)
+
+
+def _random_ids(model: nn.Module, batch_size: int, seq_len: int, seed: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator)
+    return ids.to(next(model.parameters()).device)
 
 
 @torch.no_grad()
@@ -19,25 +50,15 @@ def forward_tokens_per_s(model: nn.Module, batch_size: int, seq_len: int, *, rep
     return forward_speed(model, batch_size, seq_len, repeats=repeats, warmup=warmup, seed=seed)[0]
 
 
+@torch.no_grad()
 def forward_speed(model: nn.Module, batch_size: int, seq_len: int, *, repeats: int = 5, warmup: int = 2,
-                  seed: int = 0) -> tuple[float, float]:
-    """(median tokens/s, spread) of ``repeats`` timed forward passes after ``warmup`` untimed ones; the
-    spread is (slowest - fastest) / median time, so a noisy machine shows in the record."""
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
-    times = []
-    for i in range(warmup + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(input_ids=ids, use_cache=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    return batch_size * seq_len / median, (max(times) - min(times)) / median
+                  seed: int = 0, runner: Callable[..., object] | None = None) -> tuple[float, float]:
+    """(median tokens/s, spread) of ``repeats`` timed forward passes after ``warmup`` untimed ones, so a
+    noisy machine shows in the record. ``runner``: what runs the forward (a compiled ``model``)."""
+    ids = _random_ids(model, batch_size, seq_len, seed)
+    run = model if runner is None else runner
+    times = _timed(lambda: run(input_ids=ids, use_cache=False), ids.device, repeats, warmup)
+    return batch_size * seq_len / statistics.median(times), _spread(times)
 
 
 def speed_record(dense: tuple[float, float], moe: tuple[float, float], batch_size: int, seq_len: int, *,
@@ -49,21 +70,25 @@ def speed_record(dense: tuple[float, float], moe: tuple[float, float], batch_siz
 
 
 @torch.no_grad()
-def decode_tokens_per_s(model: nn.Module, batch_size: int, prompt_len: int, new_tokens: int, *, repeats: int = 3,
-                        seed: int = 0) -> float:
-    """Median tokens/s of greedy generation with the KV cache (``new_tokens`` per sequence)."""
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), generator=generator).to(device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                  pad_token_id=model.config.eos_token_id or 0, attention_mask=torch.ones_like(ids))
-    model.generate(ids, **kwargs)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.generate(ids, **kwargs)
-        times.append(time.perf_counter() - start)
-    return batch_size * new_tokens / statistics.median(times)
+def decode_speed(model: nn.Module, batch_size: int, prompt_len: int, new_tokens: int, *, repeats: int = 3,
+                 warmup: int = 1, seed: int = 0, compiled: dict[str, Any] | None = None) -> tuple[float, float]:
+    """(median tokens/s, spread) of greedy decoding with the KV cache, one token per sequence and step, the
+    prompt's prefill left out: generating ``new_tokens`` and generating one are timed alike, and the rate is
+    batch x (new_tokens - 1) over the difference of their medians (the spread is the longer run's).
+    ``compiled``: the ``generate`` arguments of a compiled decode step (``bench.compiled_generation``)."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 2 (the first token comes from the prefill)")
+    ids = _random_ids(model, batch_size, prompt_len, seed)
+    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id or 0,
+                  attention_mask=torch.ones_like(ids), **(compiled or {}))
+
+    def generate(tokens: int) -> object:
+        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+
+    full = _timed(lambda: generate(new_tokens), ids.device, repeats, warmup)
+    first = _timed(lambda: generate(1), ids.device, repeats, warmup)
+    decoding = max(statistics.median(full) - statistics.median(first), 1e-9)
+    return batch_size * (new_tokens - 1) / decoding, _spread(full)
 
 
 def macs_per_token(model: nn.Module, seq_len: int, measured: bool = False) -> float:

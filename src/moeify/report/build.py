@@ -68,6 +68,20 @@ def settings_note(runs: list[dict[str, Any]]) -> str:
             "only within a setting; the plot draws a front per setting.**\n\n" + "\n".join(lines) + "\n")
 
 
+def bench_table(runs: list[dict[str, Any]]) -> str:
+    """The ``moeify bench`` results kept in the records (eager and compiled): each prefill shape's and decode
+    batch size's speed-up against the dense model, or "" where no run was benched."""
+    lines = [f"| {r['_name']} | {mode} ({b['device']}) | "
+             + ", ".join(f"{p['batch_size']}x{p['seq_len']}: {p['speedup']:.2f}x" for p in b["prefill"]) + " | "
+             + ", ".join(f"b={d['batch_size']}: {d['speedup']:.2f}x" for d in b["decode"])
+             + f" | {b['ideal_speedup']:.2f}x |"
+             for r in runs for mode, b in sorted(r.get("bench", {}).items())]
+    if not lines:
+        return ""
+    return ("\n## moeify bench (MoE / dense tokens/s, same process)\n\n| run | mode | prefill | decode | ideal |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
 def recovery_curve(record: dict[str, Any]) -> list[tuple[int, float]]:
     """(tokens, perplexity) of a recovered run: before it (0 tokens), at each milestone, at the end."""
     recovery = record["recovery"]
@@ -199,7 +213,8 @@ def write_report(folders: list[Path], out: Path, overwrite: bool = False) -> Pat
     runs = read_runs(folders)
     images = plots(runs)
     with atomic_dir(out, overwrite=overwrite, command="report") as tmp:
-        text = "# moeify report\n\n" + settings_note(runs) + markdown_table(runs) + "\n" + "".join(f"![{name}]({name})\n" for name in images)
+        text = ("# moeify report\n\n" + settings_note(runs) + markdown_table(runs) + bench_table(runs) + "\n"
+                + "".join(f"![{name}]({name})\n" for name in images))
         (tmp / "report.md").write_text(text)
         for name, content in images.items():
             (tmp / name).write_bytes(content)
