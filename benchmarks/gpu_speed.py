@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moeify.presets import PRESETS
+
 SHAPES = {
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "7b": PRESETS["llama-2-7b"],
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
     "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
