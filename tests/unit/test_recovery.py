@@ -154,6 +154,23 @@ def test_a_cached_teacher_trains_as_the_live_one(make_ctx, stream, tmp_path):
     assert auto["teacher"] == "cache"  # a cache of these windows exists
 
 
+def test_the_lm_loss_alone_trains_as_a_vanishing_teacher_share_without_running_the_teacher(make_ctx, stream,
+                                                                                             tmp_path):
+    dense, model = converted("cmoe", make_ctx)
+    nearly, nearly_log = run(copy.deepcopy(model), dense, stream, recover_lm_share=1 - 1e-9, recover_teacher="live")
+
+    def refuse(*_):
+        raise AssertionError("the teacher ran")
+
+    hook = dense.register_forward_pre_hook(refuse)
+    alone, alone_log = run(model, dense, stream, tmp_path, recover_lm_share=1.0)
+    hook.remove()
+    assert alone_log["teacher"] == "none" and not list(tmp_path.glob("teacher-*"))
+    assert alone_log["losses"] == pytest.approx(nearly_log["losses"], rel=1e-5)
+    for a, b in zip(alone.parameters(), nearly.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_a_budget_beyond_the_text_makes_further_passes(make_ctx, stream):
     dense, model = converted("static_prune", make_ctx)
     _, summary = run(model, dense, stream[:300], recover_tokens=640)

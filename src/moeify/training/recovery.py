@@ -35,7 +35,7 @@ from moeify.options import OptionError
 from moeify.training.checkpoint import latest_step
 from moeify.training.distributed import barrier, is_main
 from moeify.training.loop import Checkpointing, TrainPlan, epoch_windows, train
-from moeify.training.losses import distillation_loss
+from moeify.training.losses import distillation_loss, lm_loss
 from moeify.training.parts import lora_targets, parameter_parts
 from moeify.training.recovery_options import RecoveryOptions
 from moeify.training.teacher import LiveTeacher, TeacherCache, build_teacher_cache, cache_key
@@ -139,8 +139,10 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
     fingerprint = {"recovery": True, **{k: v for k, v in vars(options).items() if k not in (
         "recover_tokens", "recover_resume", "recover_checkpoint_every", "recover_recompute", "recover_grad_accum",
         "recover_teacher")}, "seq_len": seq_len, "seed": seed, **identity}
-    targets, mode = _teacher(teacher, stream, options, plan, seed=seed, identity=identity,
-                             cache_dir=cache_dir or work_dir, device=device, progress=progress)
+    lm_only = options.recover_lm_share == 1  # the teacher's share is 0: no teacher pass, no cache
+    targets, mode = (None, "none") if lm_only else _teacher(
+        teacher, stream, options, plan, seed=seed, identity=identity, cache_dir=cache_dir or work_dir,
+        device=device, progress=progress)
     teacher_head = output_head(teacher)
     parts = parameter_parts(model)
     chosen = options.parts
@@ -153,6 +155,8 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
                                   None if work_dir is None else work_dir / "recovery_curve.json")
 
     def loss(student: nn.Module, batch: Tensor) -> dict[str, Tensor]:
+        if lm_only:
+            return {**(parts := lm_loss(student, batch)), "lm": parts["loss"]}
         return distillation_loss(student, batch, targets(batch), lm_share=options.recover_lm_share,
                                  teacher_head=teacher_head)
 
