@@ -6,7 +6,9 @@ recovery text WikiText-2 valid and the evaluation text bench_real's (the first 1
 WikiText-2 raw test, 2048-token windows), the methods' own training at a CPU budget (``METHOD_OPTIONS``)
 and the recovery at moeify's defaults but for activation checkpointing (``RECOVERY``). Each method's record
 gives its perplexity before the recovery and after each budget, its APR measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
-``--markdown`` prints the table of what the results file holds; the run's curve is copied into ``docs/assets/``.
+``--markdown`` prints the table of what the results file holds, each speed-up from a quiet ``moeify bench`` of
+the row's folder where ``results/compare_recovery_bench/`` has one (a speed pass inside a long run on this CPU
+is easily disturbed); the curve of the rows is drawn into ``docs/assets/``.
 ``--methods`` runs part of the methods (the same command and settings, the others' rows kept): the run folders
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
 each row saying its moeify version. ``--loss lm`` runs the same comparison for CMoE and static pruning with the LM loss in place of the
@@ -47,6 +49,9 @@ RECOVERY = {"recover_recompute": "false"}
 # a speed pass whose slowest timed pass is this far above its fastest (relative to the median) was disturbed
 # (another job on the CPU): its speed-up is printed flagged, to be measured again with ``moeify bench``
 NOISY_SPREAD = 0.5
+# ``moeify bench`` of a row's folder on a quiet CPU (prefill 1 x 256, 8 x 256; decode at batch 8), by method:
+# where one exists, the table's speed-up is its 8 x 256 prefill, not the run's own speed pass
+BENCH = HERE / "results" / "compare_recovery_bench"
 NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resumed)
 
 
@@ -108,19 +113,30 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     budgets = [t for t, _ in next((r["curve"] for r in rows if "curve" in r), [])]
     head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
-    lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up | convert s | recovery s |",
+    lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up (8 x 256) | convert s | recovery s |",
              "|---|---|---|" + "---|" * (len(budgets) - 1) + "---|---|---|---|"]
     for r in sorted((r for r in rows if "curve" in r), key=lambda r: r["ppl"]):
         after = " | ".join(f"{ppl:.2f}" for _, ppl in r["curve"][1:])
-        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
-        if r["speedup"] and (r.get("speed_spread") or 0) > NOISY_SPREAD:
-            speed += f" (disturbed: spread {r['speed_spread']:.0%})"
+        speed = speed_cell(r)
         lines.append(f"| {r['method']} | {r['apr']:.3f} | {r['ppl_before']:.2f} | {after} | "
                      f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
     lines += [f"| {r['method']} | {r['error'] if r['error'] == NOT_RUN else 'failed: ' + r['error']} |"
               for r in rows if "curve" not in r]
     dense = next((r["dense_ppl"] for r in rows if "curve" in r), None)
     return "\n".join(lines) + ("" if dense is None else f"\n\nDense SmolLM2-135M on the same text: {dense:.2f}.")
+
+
+def speed_cell(row: dict[str, Any]) -> str:
+    """The native speed-up of a row: its quiet ``moeify bench`` (8 x 256 prefill) where there is one, else
+    the run's own speed pass, flagged where its spread says it was disturbed."""
+    bench = BENCH / f"{row['method']}.json"
+    if bench.is_file():
+        prefill = {p["batch_size"]: p["speedup"] for p in json.loads(bench.read_text())["prefill"]}
+        return f"{prefill[8]:.2f}x (moeify bench)"
+    if not row["speedup"]:
+        return "-"
+    noisy = (row.get("speed_spread") or 0) > NOISY_SPREAD
+    return f"{row['speedup']:.2f}x" + (f" (disturbed: spread {row['speed_spread']:.0%})" if noisy else "")
 
 
 def versus(kd: list[dict[str, Any]], lm: list[dict[str, Any]]) -> str:

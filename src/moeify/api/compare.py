@@ -193,7 +193,8 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
     if recover_tokens:
         recovery["recover_tokens"] = max(recover_tokens)
         config = build_config(RecoveryOptions, recovery)
-        if config.recover_top_k and len(methods) > 1 and config.recover_teacher in ("auto", "cache"):
+        distils = config.recover_lm_share < 1  # the LM loss alone needs no teacher
+        if distils and config.recover_top_k and len(methods) > 1 and config.recover_teacher in ("auto", "cache"):
             recovery["recover_teacher"] = "cache"  # one teacher pass for every method's recovery
             prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,
                                   identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
