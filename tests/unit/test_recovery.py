@@ -334,6 +334,12 @@ def test_compare_recovers_every_method_with_one_budget_and_resumes_only_that_bud
     assert json.loads((out / "cmoe" / "record.json").read_text())["recovery"]["tokens"] == 512
     assert main(["compare", "--methods", "cmoe", "--out", str(tmp_path / "c2"), "--set", "spec=S1A1E8"]) == 2
     assert "name the method (METHOD.spec)" in capsys.readouterr().err
+    lm = tmp_path / "lm"  # the LM loss alone: no teacher pass, shared or not
+    assert main(["compare", "--methods", "static_prune,cmoe", "--out", str(lm), "--recover-tokens", "512",
+                 "--set", "recover_seq_len=64", "--set", "recover_lm_share=1", "--set", "cmoe.calib_samples=4",
+                 "--set", "cmoe.seq_len=64"]) == 0
+    assert not (lm / "teacher_cache").exists()
+    assert json.loads((lm / "cmoe" / "record.json").read_text())["recovery"]["teacher"] == "none"
 
 
 def test_the_plan_counts_the_recovery_with_its_teacher():
