@@ -175,7 +175,7 @@ def recover(model: nn.Module, teacher: nn.Module, stream: Tensor, options: Recov
         milestones_hook.network = network
         log = train(network, optimizer, stream, plan, seed=seed, device=device, loss_fn=loss,
                     checkpointing=checkpointing, after_step=milestones_hook, progress=progress,
-                    desc="recovery: distillation", network=model)
+                    desc="recovery: LM loss" if lm_only else "recovery: distillation", network=model)
         if options.recover_lora_rank:
             model = network.merge_and_unload()
     summary = {**log.summary(), **{name: [round(v, 5) for v in values] for name, values in log.parts.items()},
