@@ -69,26 +69,40 @@ def speed_record(dense: tuple[float, float], moe: tuple[float, float], batch_siz
             "warmup": warmup}
 
 
+class _StepClock:
+    """A ``generate`` streamer that notes when each step's tokens reach the host: first the prompt (before the
+    prefill), then every new token (each after its step's kernels: generate reads the tokens back)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def put(self, _tokens: Tensor) -> None:
+        _synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @torch.no_grad()
 def decode_speed(model: nn.Module, batch_size: int, prompt_len: int, new_tokens: int, *, repeats: int = 3,
                  warmup: int = 1, seed: int = 0, compiled: dict[str, Any] | None = None) -> tuple[float, float]:
-    """(median tokens/s, spread) of greedy decoding with the KV cache, one token per sequence and step, the
-    prompt's prefill left out: generating ``new_tokens`` and generating one are timed alike, and the rate is
-    batch x (new_tokens - 1) over the difference of their medians (the spread is the longer run's).
-    ``compiled``: the ``generate`` arguments of a compiled decode step (``bench.compiled_generation``)."""
+    """(median tokens/s, spread) of greedy decoding with the KV cache, one token per sequence and step: the
+    time from the first new token (the end of the prompt's prefill) to the last, over ``new_tokens - 1``
+    steps, read off ``generate``'s own steps (``_StepClock``). ``compiled``: the ``generate`` arguments of a
+    compiled decode step (``bench.compiled_generation``)."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (the first token comes from the prefill)")
     ids = _random_ids(model, batch_size, prompt_len, seed)
-    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=model.config.eos_token_id or 0,
-                  attention_mask=torch.ones_like(ids), **(compiled or {}))
-
-    def generate(tokens: int) -> object:
-        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-
-    full = _timed(lambda: generate(new_tokens), ids.device, repeats, warmup)
-    first = _timed(lambda: generate(1), ids.device, repeats, warmup)
-    decoding = max(statistics.median(full) - statistics.median(first), 1e-9)
-    return batch_size * (new_tokens - 1) / decoding, _spread(full)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                  pad_token_id=model.config.eos_token_id or 0, attention_mask=torch.ones_like(ids), **(compiled or {}))
+    times = []
+    for i in range(warmup + repeats):
+        clock = _StepClock(ids.device)
+        model.generate(ids, streamer=clock, **kwargs)
+        if i >= warmup:
+            times.append(clock.times[-1] - clock.times[1])  # times[0]: the prompt, times[1]: the first new token
+    return batch_size * (new_tokens - 1) / statistics.median(times), _spread(times)
 
 
 def macs_per_token(model: nn.Module, seq_len: int, measured: bool = False) -> float:
