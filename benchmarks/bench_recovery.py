@@ -38,14 +38,16 @@ EVAL_SEQ_LEN = 2048
 EVAL_START = 500_000  # the evaluation slice starts here: apart from bench_real's and compare's first 100,000
 HELD_OUT_STEPS = 6  # the choice's criterion: the mean next-token loss of the last steps' windows, each unseen
 
-# name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given)
+# name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given; every
+# variant but the LM one distils)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "top64_lr1e-4": {"recover_lr": 1e-4, "recover_top_k": 64},
-    "top64_lr3e-4": {"recover_lr": 3e-4, "recover_top_k": 64},
-    "top64_lr1e-3": {"recover_lr": 1e-3, "recover_top_k": 64},
-    "full_lr3e-4": {"recover_lr": 3e-4},
-    "top64_lora8_lr1e-3": {"recover_lr": 1e-3, "recover_top_k": 64, "recover_lora_rank": 8},
-    "top64_mlp_lr3e-4": {"recover_lr": 3e-4, "recover_top_k": 64, "recover_parts": "routers,experts,shared,norms"},
+    "top64_lr1e-4": {"recover_lm_share": 0.0, "recover_lr": 1e-4, "recover_top_k": 64},
+    "top64_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64},
+    "top64_lr1e-3": {"recover_lm_share": 0.0, "recover_lr": 1e-3, "recover_top_k": 64},
+    "full_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4},
+    "top64_lora8_lr1e-3": {"recover_lm_share": 0.0, "recover_lr": 1e-3, "recover_top_k": 64, "recover_lora_rank": 8},
+    "top64_mlp_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64,
+                         "recover_parts": "routers,experts,shared,norms"},
     "lm_lr3e-4": {"recover_lr": 3e-4, "recover_lm_share": 1.0},
 }
 

@@ -67,7 +67,7 @@ class Run:
 
 
 FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/results.md
-RUNS = {"kd": Run(METHODS, {}, HERE / "results" / "compare_recovery.jsonl", FIGURES / "compare_recovery.png",
+RUNS = {"kd": Run(METHODS, {"recover_lm_share": "0"}, HERE / "results" / "compare_recovery.jsonl", FIGURES / "compare_recovery.png",
                   HERE / "results" / "models" / "compare_apr0.5"),
         "lm": Run(LM_METHODS, {"recover_lm_share": "1"}, HERE / "results" / "compare_recovery_lm.jsonl",
                   FIGURES / "compare_recovery_lm.png", HERE / "results" / "models" / "compare_apr0.5_lm")}

@@ -81,9 +81,10 @@ ROWS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]] | None] = {
     "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}, ()),
     # the default CMoE and ToMoE trained further by distillation (`recover_tokens`), as a served model is:
     # the untrained rows route by margins that rounding crosses
-    "cmoe_recovered": ("cmoe", {"recover_tokens": 100_000, "recover_recompute": False}, ("--approximate",)),
+    "cmoe_recovered": ("cmoe", {"recover_tokens": 100_000, "recover_lm_share": 0.0, "recover_recompute": False},
+                       ("--approximate",)),
     "tomoe_recovered": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0, "recover_tokens": 200_000,
-                                  "recover_recompute": False}, ()),
+                                  "recover_lm_share": 0.0, "recover_recompute": False}, ()),
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 AGREEMENT_QUANTS = ("f32", "f16")

@@ -27,7 +27,8 @@ RUNS = {
     "cmoe": ("cmoe", ["spec=S1A1E8", "finetune_samples=8", "finetune_batch_size=4", "finetune_seq_len=64",
                       "calib_samples=2"]),
     "recovery": ("static_prune", ["calib_samples=2", "recover_tokens=768", "recover_seq_len=64",
-                                  "recover_batch_size=4", "recover_checkpoint_every=2"]),
+                                  "recover_batch_size=4", "recover_checkpoint_every=2",
+                                  "recover_lm_share=0"]),  # distillation: the teacher under torchrun too
 }
 
 

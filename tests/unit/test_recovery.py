@@ -41,7 +41,7 @@ def converted(method, make_ctx, seed=0):
 
 def options(**values):
     return build_config(RecoveryOptions, {"recover_tokens": 1024, "recover_seq_len": 64, "recover_batch_size": 4,
-                                          **values})
+                                          "recover_lm_share": 0.0, **values})  # distillation, unless a test says
 
 
 def run(model, dense, stream, work=None, **values):
@@ -314,8 +314,8 @@ def test_compare_recovers_every_method_with_one_budget_and_resumes_only_that_bud
 
     out = tmp_path / "cmp"
     assert main(["compare", "--methods", "static_prune,cmoe", "--out", str(out), "--recover-tokens", "512,1024",
-                 "--set", "recover_seq_len=64", "--set", "recover_top_k=16", "--set", "cmoe.calib_samples=4",
-                 "--set", "cmoe.seq_len=64"]) == 0
+                 "--set", "recover_seq_len=64", "--set", "recover_top_k=16", "--set", "recover_lm_share=0",
+                 "--set", "cmoe.calib_samples=4", "--set", "cmoe.seq_len=64"]) == 0
     printed = capsys.readouterr().out
     assert "ppl before recovery" in printed and "| static_prune |" in printed
     for method in ("static_prune", "cmoe"):
@@ -327,7 +327,8 @@ def test_compare_recovers_every_method_with_one_budget_and_resumes_only_that_bud
     assert (out / "report" / "recovery.png").is_file()
     written = (out / "cmoe" / "record.json").stat().st_mtime_ns
     again = ["compare", "--methods", "cmoe", "--out", str(out), "--resume", "--set", "recover_seq_len=64",
-             "--set", "recover_top_k=16", "--set", "cmoe.calib_samples=4", "--set", "cmoe.seq_len=64"]
+             "--set", "recover_top_k=16", "--set", "recover_lm_share=0", "--set", "cmoe.calib_samples=4",
+             "--set", "cmoe.seq_len=64"]
     assert main([*again, "--recover-tokens", "512,1024"]) == 0  # the same recovery: kept
     assert (out / "cmoe" / "record.json").stat().st_mtime_ns == written
     assert main([*again, "--recover-tokens", "512"]) == 0  # another budget: recovered again
@@ -345,12 +346,12 @@ def test_compare_recovers_every_method_with_one_budget_and_resumes_only_that_bud
 def test_the_plan_counts_the_recovery_with_its_teacher():
     from moeify.memory_plan import plan
 
-    memory = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000})
+    memory = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_lm_share": 0})
     recover_phase = memory.phases["recover"]
     assert recover_phase["teacher weights"] == recover_phase["weights"] == pytest.approx(6.74e9 * 2, rel=0.01)
     assert recover_phase["gradients"] > 0.9 * 6.5e9 * 4  # every decoder weight trains, float32 gradients
     assert recover_phase["teacher log-probabilities"] > 0
-    lm_alone = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_lm_share": 1}).phases["recover"]
+    lm_alone = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000}).phases["recover"]  # the default
     assert "teacher log-probabilities" not in lm_alone and lm_alone["gradients"] == recover_phase["gradients"]
     lora = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_lora_rank": 8}).phases["recover"]
     assert lora["gradients"] == 0 and "recover" not in plan("llama-2-7b", "cmoe").phases

@@ -93,7 +93,8 @@ def _markdown_section(name: str) -> str:
 
     if name == RECOVERY:
         lines = ["### Recovery (every method)", "",
-                 ("A distillation from the dense model after the conversion: `convert --set recover_tokens=N` or "
+                 ("Training after the conversion for a budget of tokens, by the LM loss (the default) or by "
+                  "distillation from the dense model (`recover_lm_share`): `convert --set recover_tokens=N` or "
                   "`moeify recover RUN --tokens N`."), "", *_option_table(RecoveryOptions)]
     else:
         method = get_method(name)

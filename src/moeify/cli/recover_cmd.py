@@ -13,9 +13,11 @@ from moeify.cli.format import print_table
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "recover", help="distil a converted model from its dense model for a budget of tokens",
-        description="Recover RUN (a folder moeify convert wrote) by distillation from its base model (the record's "
-                    "model, or --teacher) on --calib for --tokens training tokens, measure it again against the "
+        "recover", help="train a converted model further for a budget of tokens (LM loss or distillation)",
+        description="Recover RUN (a folder moeify convert wrote) by training it on --calib for --tokens training "
+                    "tokens, with the LM loss (the default: it recovered perplexity further than distillation at a "
+                    "matched budget) or by distillation from its base model (the record's model, or --teacher; "
+                    "--set recover_lm_share=0), measure it again against the "
                     "dense model in the same run, and write the recovered model with its record into --out "
                     "(atomically; the run's own measurements are kept under pre_recovery). What trains, the loss "
                     "and the teacher are recover_* options (--set; `moeify methods` lists them, the same as "

@@ -1,10 +1,14 @@
-"""Recovery: a converted model distilled from its dense model for a budget of training tokens.
+"""Recovery: a converted model trained further for a budget of tokens, by the LM loss or by distillation
+from its dense model.
 
-Any conversion loses quality that a little training on the teacher's own outputs wins back; distillation
-gives every token the dense model's whole next-token distribution where the LM loss gives one label, so
-it is the standard recovery of a compressed model (ToMoE's own loss, the pruning literature's). It runs
-after a method's own, paper-specified training, with a budget in tokens, so that conversions can be
-compared at equal training compute (``moeify compare --recover-tokens``).
+Any conversion loses quality that a little training wins back. Distillation gives every token the dense
+model's whole next-token distribution where the LM loss gives one label, so it is the standard recovery of
+a compressed model (ToMoE's own loss, the pruning literature's); measured at a matched budget, though, the
+LM loss alone recovered perplexity further (CMoE and static pruning of SmolLM2 at 200,000 tokens:
+``benchmarks/compare_recovery.py --loss lm``), needs no teacher pass, and is the default
+(``recover_lm_share=1``); distillation is ``recover_lm_share=0``, or any mix. The recovery runs after a
+method's own, paper-specified training, with a budget in tokens, so that conversions can be compared at
+equal training compute (``moeify compare --recover-tokens``).
 
 The run: one pass over ``ceil(recover_tokens / seq_len)`` disjoint windows of the training text in a
 seeded order (further passes where the text holds fewer), ``recover_batch_size`` windows per AdamW step,
