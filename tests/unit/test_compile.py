@@ -11,7 +11,7 @@ import torch
 from moeify.methods import METHODS
 from moeify.moe.accounting import moe_layers
 from moeify.options import build_config
-from moeify.runtime.routers import Dispatch
+from moeify.runtime.dispatch import Dispatch
 from tests.helpers.conversion import FAST, conversion_context
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
 

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 from .experts import ExpertMLP, HiddenNeurons, SharedNeuronExperts
 from .packed import PackedExperts, packed_widths, shared_neuron_output
-from .routers import ROUTERS, Dispatch, Router
+from .dispatch import Dispatch
+from .routers import ROUTERS, Router
 
 FORMAT_VERSION = 1
 

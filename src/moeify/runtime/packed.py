@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .experts import ExpertMLP, SharedNeuronExperts
-from .routers import Dispatch
+from .dispatch import Dispatch
 
 
 def aligned_width(width: int) -> int:

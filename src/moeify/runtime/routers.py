@@ -8,8 +8,7 @@ Dispatch``, ``expected_experts()`` (routed experts per token under its nominal a
 ``moe.build_moe_mlp``) and ``linear_form()``: the router as a linear top-k router ``x @ W.T`` that a
 standard MoE format computes, or ``NotLinear`` saying why it is not one. A router whose expert count
 varies per token may offer ``fixed_k_form(k)``, its closest linear top-k router (export's approximation).
-A ``Dispatch`` is a flat list of (token, expert, weight) triples sorted by expert, plus per-expert counts
-(``expert_counts``: of fixed shape, without a host sync).
+What a router returns is a ``Dispatch`` (``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -20,66 +19,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from .dispatch import Dispatch
 from .experts import HiddenNeurons
-
-
-def expert_counts(expert: Tensor, num_experts: int) -> Tensor:
-    """(num_experts,) pairs per expert: a scatter-add, where ``torch.bincount`` would read the largest id back
-    to the host to size its output (a device sync, and a graph break under ``torch.compile``)."""
-    counts = torch.zeros(num_experts, dtype=torch.long, device=expert.device)
-    return counts.scatter_add_(0, expert, torch.ones_like(expert))
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """What every router returns. ``token``/``expert``/``weight`` are (n_pairs,) sorted by expert;
-    ``counts`` is (num_experts,) with the number of pairs per expert. A top-k router's dispatch also
-    has ``top_k`` and ``slot``: each pair's index in the flattened (tokens, k) choice matrix, so that
-    the expert outputs can be summed per token in slot order, as transformers does. ``real``, where set,
-    marks the pairs that were chosen: the others follow them, weigh 0 and lie past the last expert's group
-    (a compiled graph's fixed number of pairs, ``from_mask``)."""
-
-    token: Tensor
-    expert: Tensor
-    weight: Tensor
-    counts: Tensor
-    top_k: int | None = None
-    slot: Tensor | None = None
-    real: Tensor | None = None
-
-    @staticmethod
-    def from_topk(indices: Tensor, weights: Tensor, num_experts: int) -> "Dispatch":
-        """indices, weights: (tokens, k) -> flat pairs sorted by expert with ``torch.sort``, the sort of
-        transformers' MoE experts (which order tokens within an expert's group changes float32 sums)."""
-        k = indices.shape[1]
-        flat_expert = indices.reshape(-1)
-        expert, slot = torch.sort(flat_expert)
-        return Dispatch(token=slot // k, expert=expert, weight=weights.reshape(-1)[slot],
-                        counts=expert_counts(flat_expert, num_experts), top_k=k, slot=slot)
-
-    @staticmethod
-    def from_mask(active: Tensor, weights: Tensor) -> "Dispatch":
-        """active: (tokens, experts) bool, any number of experts per token (none included); weights:
-        (tokens, experts), read where active -> flat pairs sorted by expert (then token). In a compiled
-        graph, whose shapes may not depend on the data, every (token, expert) pair is listed, the chosen ones
-        first in the same order (``real``)."""
-        if torch.compiler.is_compiling():
-            return Dispatch._every_pair(active, weights)
-        expert, token = active.T.nonzero(as_tuple=True)  # row-major order of (expert, token): sorted by expert
-        return Dispatch(token=token, expert=expert, weight=weights[token, expert],
-                        counts=expert_counts(expert, active.shape[1]))
-
-    @staticmethod
-    def _every_pair(active: Tensor, weights: Tensor) -> "Dispatch":
-        """``from_mask`` with a fixed number of pairs, tokens x experts: a stable sort of the pairs in (expert,
-        token) order by their expert, the pairs not chosen keyed past the last expert."""
-        tokens, experts = active.shape
-        ids = torch.arange(experts, device=active.device)
-        key = torch.where(active, ids, experts).T.reshape(-1)  # (expert, token) order
-        key, order = torch.sort(key, stable=True)
-        expert, token = order // tokens, order % tokens
-        return Dispatch(token=token, expert=expert, weight=weights.T.reshape(-1)[order] * (key < experts),
-                        counts=active.sum(dim=0), real=key < experts)
 
 
 @dataclass(frozen=True)
