@@ -220,9 +220,12 @@ def test_the_resume_hint_asks_for_resume_once(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--batch-sizes", "0"], r"--batch-sizes='0' is out of range; allowed: integers >= 1"),
-    (["--batch-sizes", "one"], r"must be comma-separated integers"),
+    (["--decode", "0"], r"--decode='0' is out of range; allowed: integers >= 1"),
+    (["--decode", "one"], r"must be comma-separated integers"),
+    (["--prefill", "8x0"], r"'8x0' is not BATCHxTOKENS with both >= 1"),
     (["--repeats", "0"], r"--repeats=0 is out of range"),
+    (["--new-tokens", "1"], r"--new-tokens=1 is out of range; allowed: >= 2"),
+    (["--compile", "--dtype", "float16"], r"--compile needs --dtype bfloat16, not float16"),
 ])
 def test_bench_refuses_bad_shapes_before_loading(flags, message, tmp_path, capsys):
     assert main(["bench", str(tmp_path), *flags]) == 2
