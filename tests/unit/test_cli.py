@@ -86,6 +86,13 @@ def converted(tmp_path_factory):
     return out
 
 
+def test_bench_leaves_out_default_shapes_longer_than_the_model_and_keeps_its_results(converted, capsys):
+    assert main(["bench", str(converted), "--decode", "1", "--new-tokens", "2", "--repeats", "1"]) == 0
+    assert "prefill 1x2048 left out: longer than the model's 512 positions" in capsys.readouterr().out
+    bench = json.loads((converted / "record.json").read_text())["bench"]["eager"]
+    assert [(p["batch_size"], p["seq_len"]) for p in bench["prefill"]] == [(1, 256), (8, 256)]
+
+
 def test_convert_writes_model_and_record(converted):
     record = json.loads((converted / "record.json").read_text())
     assert record["method"] == "cmoe"

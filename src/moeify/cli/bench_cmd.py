@@ -11,6 +11,7 @@ from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
 BENCH_KEY = "bench"  # the block of a run's record.json that holds its latest bench
+DEFAULT_PREFILL = "1x256,8x256,1x2048"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,8 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "folder's record.json keeps the results (`moeify report` shows them).")
     parser.add_argument("model", help="converted folder (or any model)")
     parser.add_argument("--against", default=None, help="dense model (default: from record.json or moeify_export.json)")
-    parser.add_argument("--prefill", default="1x256,8x256,1x2048",
-                        help="prefill shapes BATCHxTOKENS, comma-separated (default 1x256,8x256,1x2048)")
+    parser.add_argument("--prefill", default=None,
+                        help=f"prefill shapes BATCHxTOKENS, comma-separated (default {DEFAULT_PREFILL}, less the "
+                             "shapes longer than the model's context)")
     parser.add_argument("--decode", default="1,32", help="decode batch sizes, comma-separated (default 1,32)")
     parser.add_argument("--prompt-len", type=int, default=256, help="decode prompt length (default 256)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per sequence, >= 2 (default 32)")
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from moeify.evaluation.record import RECORD_NAME
     from moeify.files import check_output_file, write_output_file
 
-    prefill = _shapes(args.prefill)
+    prefill = _shapes(args.prefill or DEFAULT_PREFILL)
     decode = _integers(args.decode, "--decode", "1,32")
     for name, least in (("prompt_len", 1), ("new_tokens", 2), ("repeats", 1)):
         if getattr(args, name) < least:
@@ -121,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, args.overwrite, [args.model, against])
     moe, _ = moeify.load_model(args.model, args.device, args.dtype)
+    limit = getattr(moe.config, "max_position_embeddings", None)
+    if args.prefill is None and limit is not None and (longer := [s for s in prefill if s[1] > limit]):
+        prefill = [s for s in prefill if s[1] <= limit]  # the defaults fit the model; asked-for shapes must
+        print(f"prefill {', '.join(f'{b}x{t}' for b, t in longer)} left out: longer than the model's {limit} positions")
     dense, _ = moeify.load_model(against, args.device, args.dtype)
     result = benchmark_pair(dense, moe, prefill, decode, args.prompt_len, args.new_tokens, args.repeats,
                             compile=args.compile)
