@@ -11,7 +11,8 @@ from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
 BENCH_KEY = "bench"  # the block of a run's record.json that holds its latest bench
-DEFAULT_PREFILL = "1x256,8x256,1x2048"
+PREFILL_SHAPES = ((1, 256), (8, 256), (1, 2048))  # (batch, tokens): one prompt, a batch of them, a long one
+DECODE_BATCH_SIZES = (1, 32)  # one user; a serving batch
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,9 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", help="converted folder (or any model)")
     parser.add_argument("--against", default=None, help="dense model (default: from record.json or moeify_export.json)")
     parser.add_argument("--prefill", default=None,
-                        help=f"prefill shapes BATCHxTOKENS, comma-separated (default {DEFAULT_PREFILL}, less the "
+                        help=f"prefill shapes BATCHxTOKENS, comma-separated (default {_text(PREFILL_SHAPES)}, less the "
                              "shapes longer than the model's context)")
-    parser.add_argument("--decode", default="1,32", help="decode batch sizes, comma-separated (default 1,32)")
+    decode = ",".join(map(str, DECODE_BATCH_SIZES))
+    parser.add_argument("--decode", default=decode, help=f"decode batch sizes, comma-separated (default {decode})")
     parser.add_argument("--prompt-len", type=int, default=256, help="decode prompt length (default 256)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per sequence, >= 2 (default 32)")
     parser.add_argument("--repeats", type=int, default=5,
@@ -44,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="write the results to this JSON file (an existing one only with --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     parser.set_defaults(run=run)
+
+
+def _text(shapes: tuple[tuple[int, int], ...]) -> str:
+    """``((1, 256), (8, 256))`` -> ``"1x256,8x256"``: the form --prefill takes."""
+    return ",".join(f"{batch}x{tokens}" for batch, tokens in shapes)
 
 
 def _integers(text: str, flag: str, example: str) -> list[int]:
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from moeify.evaluation.record import RECORD_NAME
     from moeify.files import check_output_file, write_output_file
 
-    prefill = _shapes(args.prefill or DEFAULT_PREFILL)
+    prefill = _shapes(args.prefill or _text(PREFILL_SHAPES))
     decode = _integers(args.decode, "--decode", "1,32")
     for name, least in (("prompt_len", 1), ("new_tokens", 2), ("repeats", 1)):
         if getattr(args, name) < least:

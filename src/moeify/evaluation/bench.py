@@ -14,8 +14,6 @@ from moeify.evaluation.speed import decode_speed, forward_speed, macs_per_token
 from moeify.moe.accounting import tracking_routing
 from moeify.runtime.packed import COMPILED_GROUPED_MM_DTYPES
 
-PREFILL_SHAPES = ((1, 256), (8, 256), (1, 2048))  # (batch, tokens): one prompt, a batch of them, a long one
-DECODE_BATCH_SIZES = (1, 32)  # one user; a serving batch
 # warm-up passes of a compiled model: the first compiles the shape, the next ones record its CUDA graphs
 COMPILED_WARMUP = 3
 
