@@ -227,6 +227,6 @@ def test_eval_and_bench_take_an_export(natives, exports, name, fmt, capsys):
     if fmt == "qwen2_moe":
         config = json.loads((folder / "config.json").read_text())
         assert export["active"]["active_params"] == _qwen2_moe_active_params(config)
-    assert main(["bench", str(folder), "--repeats", "1", "--batch-sizes", "1", "--seq-len", "16",
-                 "--new-tokens", "2"]) == 0
+    assert main(["bench", str(folder), "--repeats", "1", "--prefill", "1x16", "--decode", "1",
+                 "--prompt-len", "16", "--new-tokens", "2"]) == 0
     assert "ideal speed-up" in capsys.readouterr().out
