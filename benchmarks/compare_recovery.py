@@ -4,20 +4,22 @@
 The run: ``moeify compare MODEL --active 0.5 --recover-tokens 50000,100000,200000`` with the calibration and
 recovery text WikiText-2 valid and the evaluation text bench_real's (the first 100,000 characters of
 WikiText-2 raw test, 2048-token windows), the methods' own training at a CPU budget (``METHOD_OPTIONS``)
-and the recovery at moeify's defaults but for activation checkpointing (``RECOVERY``). Each method's record
-gives its perplexity before the recovery and after each budget, its APR measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
+and the recovery at moeify's defaults (the LM loss) but for activation checkpointing (``RECOVERY``). Each
+method's record gives its perplexity before the recovery and after each budget, its APR measured on the
+evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
 ``--markdown`` prints the table of what the results file holds, each speed-up from a quiet ``moeify bench`` of
-the row's folder where ``results/compare_recovery_bench/`` has one (a speed pass inside a long run on this CPU
-is easily disturbed); the curve of the rows is drawn into ``docs/assets/``.
+the row's folder where ``--bench`` wrote one (a speed pass inside a long run on this CPU is easily disturbed);
+the curve of the rows is drawn into ``docs/assets/``.
 ``--methods`` runs part of the methods (the same command and settings, the others' rows kept): the run folders
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
-each row saying its moeify version. ``--loss lm`` runs the same comparison for CMoE and static pruning with the LM loss in place of the
-distillation (``recover_lm_share=1``), into its own results file; its ``--markdown`` sets each budget's
-perplexity of both losses side by side.
+each row saying its moeify version. ``--loss kd`` runs the same comparison for CMoE, ToMoE and static pruning
+with distillation in place of the LM loss (``recover_lm_share=0``), into its own results file; its ``--markdown``
+sets each budget's perplexity of both losses side by side.
 
-    python benchmarks/compare_recovery.py [--loss kd|lm] [--out DIR] [--resume] [--methods a,b]
-    python benchmarks/compare_recovery.py [--loss kd|lm] --collect [--out DIR]  # rows of a run going or stopped
-    python benchmarks/compare_recovery.py [--loss kd|lm] --markdown
+    python benchmarks/compare_recovery.py [--loss lm|kd] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--loss lm|kd] --collect [--out DIR]  # rows of a run going or stopped
+    python benchmarks/compare_recovery.py [--loss lm|kd] --bench  # then, on a quiet CPU
+    python benchmarks/compare_recovery.py [--loss lm|kd] --markdown
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from moeify.files import write_output_file
 HERE = Path(__file__).resolve().parent
 EVAL_CHARS = 100_000
 # in the order the run converts and recovers them
-METHODS = ("cmoe", "tomoe", "static_prune", "more", "teal", "dense2moe", "random_split")
-LM_METHODS = ("cmoe", "static_prune")  # the LM-loss comparison's
+METHODS = ("cmoe", "static_prune", "tomoe", "more", "teal", "dense2moe", "random_split")
+KD_METHODS = ("cmoe", "tomoe", "static_prune")  # also distilled, for the comparison of the two losses
 BUDGETS = (50_000, 100_000, 200_000)
 # the methods' own training at a CPU budget (their defaults are GPU-sized), and MoRE's budget at the measured
 # APR: its matcher's nominal 0.5 (uniform routing) measures 0.558 on this model
@@ -49,28 +51,31 @@ RECOVERY = {"recover_recompute": "false"}
 # a speed pass whose slowest timed pass is this far above its fastest (relative to the median) was disturbed
 # (another job on the CPU): its speed-up is printed flagged, to be measured again with ``moeify bench``
 NOISY_SPREAD = 0.5
-# ``moeify bench`` of a row's folder on a quiet CPU (prefill 1 x 256, 8 x 256; decode at batch 8), by method:
-# where one exists, the table's speed-up is its 8 x 256 prefill, not the run's own speed pass
-BENCH = HERE / "results" / "compare_recovery_bench"
 NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resumed)
 
 
 @dataclass(frozen=True)
 class Run:
-    """One comparison: its methods, its recovery options beside ``RECOVERY``, where its rows and curve go."""
+    """One comparison: its methods, its recovery options beside ``RECOVERY``, where its rows and curve go, and
+    where a ``moeify bench`` of a row's folder on a quiet CPU is kept (``--bench``, file METHOD.json):
+    where one exists, the table's speed-up is its 8 x 256 prefill, not the run's own speed pass."""
 
     methods: tuple[str, ...]
     recovery: dict[str, str]
     results: Path
     curve: Path
     out: Path
+    bench: Path
 
 
+RESULTS, MODELS = HERE / "results", HERE / "results" / "models"
 FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/results.md
-RUNS = {"kd": Run(METHODS, {"recover_lm_share": "0"}, HERE / "results" / "compare_recovery.jsonl", FIGURES / "compare_recovery.png",
-                  HERE / "results" / "models" / "compare_apr0.5"),
-        "lm": Run(LM_METHODS, {"recover_lm_share": "1"}, HERE / "results" / "compare_recovery_lm.jsonl",
-                  FIGURES / "compare_recovery_lm.png", HERE / "results" / "models" / "compare_apr0.5_lm")}
+RUNS = {"lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recovery.jsonl", FIGURES / "compare_recovery.png",
+                  MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_bench"),
+        "kd": Run(KD_METHODS, {"recover_lm_share": "0"}, RESULTS / "compare_recovery_kd.jsonl",
+                  FIGURES / "compare_recovery_kd.png", MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
+# ``--bench``: each finished row's folder against the dense model, on a quiet CPU
+BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
 
 
 def command(run: Run, out: Path, extra: list[str]) -> list[str]:
@@ -110,14 +115,14 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(run: Run, rows: list[dict[str, Any]]) -> str:
     budgets = [t for t, _ in next((r["curve"] for r in rows if "curve" in r), [])]
     head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
     lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up (8 x 256) | convert s | recovery s |",
              "|---|---|---|" + "---|" * (len(budgets) - 1) + "---|---|---|---|"]
     for r in sorted((r for r in rows if "curve" in r), key=lambda r: r["ppl"]):
         after = " | ".join(f"{ppl:.2f}" for _, ppl in r["curve"][1:])
-        speed = speed_cell(r)
+        speed = speed_cell(run, r)
         lines.append(f"| {r['method']} | {r['apr']:.3f} | {r['ppl_before']:.2f} | {after} | "
                      f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
     lines += [f"| {r['method']} | {r['error'] if r['error'] == NOT_RUN else 'failed: ' + r['error']} |"
@@ -126,10 +131,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + ("" if dense is None else f"\n\nDense SmolLM2-135M on the same text: {dense:.2f}.")
 
 
-def speed_cell(row: dict[str, Any]) -> str:
+def speed_cell(run: Run, row: dict[str, Any]) -> str:
     """The native speed-up of a row: its quiet ``moeify bench`` (8 x 256 prefill) where there is one, else
     the run's own speed pass, flagged where its spread says it was disturbed."""
-    bench = BENCH / f"{row['method']}.json"
+    bench = run.bench / f"{row['method']}.json"
     if bench.is_file():
         prefill = {p["batch_size"]: p["speedup"] for p in json.loads(bench.read_text())["prefill"]}
         return f"{prefill[8]:.2f}x (moeify bench)"
@@ -146,7 +151,7 @@ def versus(kd: list[dict[str, Any]], lm: list[dict[str, Any]]) -> str:
     budgets = (0, *BUDGETS)
     lines = ["| method | loss | PPL before | " + " | ".join(f"after {t // 1000}k" for t in BUDGETS) + " |",
              "|---|---|" + "---|" * len(budgets)]
-    for method in RUNS["lm"].methods:
+    for method in RUNS["kd"].methods:
         for loss in ("distillation", "LM loss"):
             r = finished.get((loss, method))
             cells = [f"{ppl:.2f}" for _, ppl in r["curve"]] if r else [NOT_RUN] + ["-"] * (len(budgets) - 1)
@@ -168,14 +173,27 @@ def merge(kept: list[dict[str, Any]], new: list[dict[str, Any]], order: tuple[st
     return [rows.get(m, {"method": m, "matched": "-", "options": None, "error": NOT_RUN}) for m in order]
 
 
+def bench(run: Run, rows: list[dict[str, Any]]) -> None:
+    """``moeify bench`` of each finished row's folder that has no bench file yet (the CPU to itself)."""
+    run.bench.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        target = run.bench / f"{row['method']}.json"
+        if "curve" in row and not target.is_file():
+            subprocess.run([sys.executable, "-m", "moeify", "bench", row["folder"], *BENCH_ARGS, "--json", str(target)],
+                           check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", choices=sorted(RUNS), default="kd",
-                        help="kd: every method distilled (the table); lm: CMoE and static pruning with the LM loss")
+    parser.add_argument("--loss", choices=sorted(RUNS), default="lm",
+                        help="lm: every method with the LM loss, the recovery's default (the table); kd: "
+                             f"{', '.join(KD_METHODS)} distilled, set beside their LM-loss rows")
     parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --loss)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
+    parser.add_argument("--bench", action="store_true",
+                        help="moeify bench each finished row's folder that has no bench file yet, then exit")
     parser.add_argument("--methods", help="comma-separated part of the comparison's methods to run (default: all)")
     args = parser.parse_args()
     run = RUNS[args.loss]
@@ -186,7 +204,10 @@ def main() -> None:
         run = replace(run, methods=picked)
     out = args.out or run.out
     if args.markdown:
-        print(markdown(rows_of(run)) if args.loss == "kd" else versus(rows_of(RUNS["kd"]), rows_of(run)))
+        print(markdown(run, rows_of(run)) if args.loss == "lm" else versus(rows_of(run), rows_of(RUNS["lm"])))
+        return
+    if args.bench:
+        bench(run, [r for r in rows_of(run) if r["method"] in run.methods])
         return
     if not args.collect:
         done = subprocess.run(command(run, out, ["--resume"] if args.resume else []), check=False)
@@ -199,7 +220,7 @@ def main() -> None:
         from moeify.report.build import recovery_plot
 
         run.curve.write_bytes(recovery_plot({r["method"]: r["curve"] for r in finished}, finished[0]["dense_ppl"]))
-    print(markdown(rows))
+    print(markdown(run, rows))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from moeify.methods import METHODS
 from moeify.moe.accounting import moe_layers
 from moeify.options import build_config
+from moeify.runtime import dispatch
 from moeify.runtime.dispatch import Dispatch
 from tests.helpers.conversion import FAST, conversion_context
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
@@ -54,6 +55,27 @@ def test_a_compiled_threshold_dispatch_lists_every_pair_with_the_chosen_ones_fir
     for part in ("token", "expert", "weight"):
         assert torch.equal(getattr(fixed, part)[:chosen], getattr(eager, part))
     assert torch.equal(fixed.weight[chosen:], torch.zeros(9 - chosen)) and torch.equal(fixed.counts, eager.counts)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_threshold_router_listing_every_pair_gives_the_logits_of_the_chosen_pairs(grad, tokenizer, calib_text,
+                                                                                    monkeypatch):
+    """DSMoE's dispatch as a GPU runs it at inference (every pair listed, no ``nonzero``), forced on the CPU:
+    the packed path gives the chosen pairs' logits exactly, and the per-expert path (training, adapters) drops
+    the listed ones it does not compute."""
+    model = converted("dsmoe", tokenizer, calib_text).float()
+    with torch.set_grad_enabled(grad):
+        chosen = model(IDS, use_cache=False).logits
+        monkeypatch.setattr(dispatch, "lists_every_pair", lambda active: True)
+        listed = model(IDS, use_cache=False).logits
+    torch.testing.assert_close(listed, chosen, atol=0, rtol=0)
+
+
+def test_a_threshold_dispatch_lists_every_pair_at_inference_on_an_asynchronous_device():
+    with torch.no_grad():
+        assert dispatch.lists_every_pair(torch.ones(2, 2, device="meta"))
+        assert not dispatch.lists_every_pair(torch.ones(2, 2))  # a CPU: nonzero costs no stall
+    assert not dispatch.lists_every_pair(torch.ones(2, 2, device="meta"))  # training reads the counts back
 
 
 @pytest.mark.slow

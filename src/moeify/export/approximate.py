@@ -96,7 +96,7 @@ def threshold_routings(routers: dict[str, nn.Module], model: PreTrainedModel, ca
     the most common count on ``calib`` (see the module docstring), and the record."""
     def counting(store: dict[str, list[Tensor]]) -> dict[nn.Module, Callable[[Tensor, Any], None]]:
         return {r: lambda x, dispatch, p=p: store[p].append(  # experts per token: |A|
-            torch.bincount(dispatch.token, minlength=x.reshape(-1, x.shape[-1]).shape[0]).cpu())
+            torch.bincount(dispatch.chosen().token, minlength=x.reshape(-1, x.shape[-1]).shape[0]).cpu())
             for p, r in routers.items()}
 
     fit: dict[str, list[Tensor]] = {p: [] for p in routers}

@@ -4,7 +4,7 @@ every converted folder (imports torch only)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -47,10 +47,10 @@ class Dispatch:
     @staticmethod
     def from_mask(active: Tensor, weights: Tensor) -> "Dispatch":
         """active: (tokens, experts) bool, any number of experts per token (none included); weights:
-        (tokens, experts), read where active -> flat pairs sorted by expert (then token). In a compiled
-        graph, whose shapes may not depend on the data, every (token, expert) pair is listed, the chosen ones
-        first in the same order (``real``)."""
-        if torch.compiler.is_compiling():
+        (tokens, experts), read where active -> flat pairs sorted by expert (then token). Where the number of
+        chosen pairs may not be read back (``lists_every_pair``), every (token, expert) pair is listed, the
+        chosen ones first in the same order (``real``)."""
+        if lists_every_pair(active):
             return Dispatch._every_pair(active, weights)
         expert, token = active.T.nonzero(as_tuple=True)  # row-major order of (expert, token): sorted by expert
         return Dispatch(token=token, expert=expert, weight=weights[token, expert],
@@ -67,3 +67,21 @@ class Dispatch:
         expert, token = order // tokens, order % tokens
         return Dispatch(token=token, expert=expert, weight=weights.T.reshape(-1)[order] * (key < experts),
                         counts=active.sum(dim=0), real=key < experts)
+
+    def chosen(self) -> "Dispatch":
+        """The chosen pairs alone (they come first): a host sync, for a path that reads the counts back anyway
+        (the per-expert path sizes its slices by them)."""
+        if self.real is None:
+            return self
+        n = int(self.counts.sum())
+        return replace(self, token=self.token[:n], expert=self.expert[:n], weight=self.weight[:n], real=None)
+
+
+def lists_every_pair(active: Tensor) -> bool:
+    """Whether ``Dispatch.from_mask`` lists every (token, expert) pair rather than the chosen ones: inside a
+    compiled graph, whose shapes may not depend on the data, and at inference on an asynchronous device (a
+    GPU), where ``nonzero`` would stall the host until the device has computed the mask, to size its output.
+    The listed pairs cost a gather of tokens x experts rows; the grouped matmuls still compute the chosen
+    pairs only (the rest lie past the last expert's group). A CPU computes the mask before ``nonzero`` asks
+    anyway, and training reads the counts back to size each expert's slice: both keep the chosen pairs."""
+    return torch.compiler.is_compiling() or (active.device.type != "cpu" and not torch.is_grad_enabled())

@@ -133,7 +133,7 @@ class MoeMLP(nn.Module):
         """Training path: each routed expert's own modules on exactly its tokens, added to ``out``. The
         dispatch is sorted by expert, so one gather lines up every expert's tokens as contiguous slices and
         one scatter adds the weighted outputs back (per token in expert order, as a loop of adds would)."""
-        dispatch = self.router(x)
+        dispatch = self.router(x).chosen()  # at inference on a GPU (adapters) a threshold router lists every pair
         self._track(dispatch)
         scale = self.router.expert_scale
         weight = dispatch.weight * scale if scale != 1.0 else dispatch.weight

@@ -45,7 +45,7 @@ class RecoveryOptions:
     recover_lm_share: float = option(1.0, "s: the loss is (1 - s) KL(teacher || student) + s LM (0: distillation "
                                           "only; 1: the LM loss alone, with no teacher pass, below distillation "
                                           "for CMoE and static pruning on SmolLM2 at 200,000 tokens: "
-                                          "benchmarks/compare_recovery.py --loss lm)", low=0.0, high=1.0)
+                                          "benchmarks/compare_recovery.py --loss kd)", low=0.0, high=1.0)
     recover_top_k: int = option(64, "teacher tokens kept per position: the top k plus one bucket for the rest (what "
                                     "a cache holds: no teacher pass, no teacher logits per step); 0: the whole "
                                     "vocabulary, the teacher run alongside", low=0)
