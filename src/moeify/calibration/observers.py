@@ -38,14 +38,17 @@ class CoActivation:
     (Eq. 3-4), their frequency f (Eq. 5) and co-activation matrix C (Eq. 6), and the mean squares
     E[x^2], E[h^2] of the importance score (Eq. 7). Memory O(m^2 + d), never O(tokens).
 
-    The co-activation counts accumulate in float32, exact integers up to 2^24 tokens (then float64):
-    half the memory of float64 at the same values, which matters at m = 11,008 (0.5 GB)."""
+    The counts accumulate where the activations are (the work device): C grows by an (m, tokens) x
+    (tokens, m) product per batch, a GEMM that a GPU runs far faster than the host, and the batch's
+    (tokens, m) activations never cross to the host. Only the restriction that MoRE clusters does
+    (``coactivation_among``: the eigendecomposition and k-means run on the host). They accumulate in float32, exact integers up to 2^24 tokens (then float64): half the memory of
+    float64 at the same values, which matters at m = 11,008 (0.5 GB)."""
 
     def __init__(self, hidden_size: int, width: int, k_act: int) -> None:
-        self.k_act = k_act
+        self.k_act, self.width = k_act, width
         self.squares = MeanSquares(hidden_size, width)
         self._counts = torch.zeros(width, dtype=torch.float64)
-        self._co = torch.zeros(width, width, dtype=torch.float32)
+        self._co: Tensor | None = None  # allocated on the device of the first batch
 
     @property
     def tokens(self) -> int:
@@ -54,17 +57,23 @@ class CoActivation:
     def update(self, x: Tensor, h: Tensor) -> None:
         """x: (tokens, d) MLP inputs; h: (tokens, m) their hidden activations."""
         self.squares.update(x, h)
+        h = h.reshape(-1, h.shape[-1]).float()
+        if self._co is None:
+            self._co = torch.zeros(self.width, self.width, dtype=torch.float32, device=h.device)
+            self._counts = self._counts.to(h.device)
         if self.tokens > EXACT_FLOAT32 and self._co.dtype == torch.float32:
             self._co = self._co.double()
-        h = h.reshape(-1, h.shape[-1]).float().cpu()
         marks = torch.zeros_like(h).scatter_(1, h.abs().topk(self.k_act, dim=1).indices, 1.0)  # 1[i in S(t)]
         self._counts += marks.sum(0).double()
         self._co += (marks.T @ marks).to(self._co.dtype)
 
+    def _counts_matrix(self) -> Tensor:
+        return self._co if self._co is not None else torch.zeros(self.width, self.width)
+
     @property
     def frequency(self) -> Tensor:
-        """f (m,), sums to k_act; Eq. 5."""
-        return self._counts / self.tokens
+        """f (m,), sums to k_act; Eq. 5 (on the host)."""
+        return self._counts.cpu() / self.tokens
 
     @property
     def never_activated(self) -> int:
@@ -73,13 +82,14 @@ class CoActivation:
 
     @property
     def coactivation(self) -> Tensor:
-        """C (m, m) in float64; Eq. 6."""
-        return self._co.double() / self.tokens
+        """C (m, m) in float64, on the host; Eq. 6."""
+        return self._counts_matrix().cpu().double() / self.tokens
 
     def coactivation_among(self, channels: Tensor) -> np.ndarray:
-        """C restricted to ``channels`` with its diagonal zeroed (float64, the graph MoRE clusters), built
-        with one float64 copy of the restriction only."""
-        restricted = self._co[channels[:, None], channels].numpy().astype(np.float64)
+        """C restricted to ``channels`` with its diagonal zeroed (float64, the graph MoRE clusters on the host),
+        built with one float64 copy of the restriction only."""
+        co = self._counts_matrix()
+        restricted = co[channels.to(co.device)[:, None], channels.to(co.device)].cpu().numpy().astype(np.float64)
         restricted /= self.tokens
         np.fill_diagonal(restricted, 0.0)
         return restricted

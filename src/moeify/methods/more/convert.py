@@ -55,9 +55,9 @@ class _PrototypeAccumulator:
         x = x.reshape(-1, x.shape[-1])
         h = self.mlp.hidden(x)
         energy = torch.stack([h[:, e].norm(dim=1) / e.numel() ** self.alpha for e in self.members], dim=1)
-        onehot = torch.nn.functional.one_hot(energy.argmax(dim=1), len(self.members)).double().cpu()
-        self.sums += onehot.T @ x.double().cpu()
-        self.counts += onehot.sum(0)
+        onehot = torch.nn.functional.one_hot(energy.argmax(dim=1), len(self.members)).double()
+        self.sums += (onehot.T @ x.double()).cpu()  # summed on the device: (experts, d) crosses, not the tokens
+        self.counts += onehot.sum(0).cpu()
 
     def prototypes(self) -> Tensor:
         return self.sums / self.counts.clamp_min(1)[:, None]  # mu_i; Eq. 11 (zero if no token chose i)
