@@ -268,3 +268,26 @@ def test_the_paper_weighting_is_eq_7_8_and_a_random_start_uses_it():
     assert gate_scale(DsmoeConfig(gate_init="zero")) == gate_scale(DsmoeConfig(steps=0)) == 2.0  # g0 = 1/2
     assert gate_scale(DsmoeConfig(gate_margin=2.0)) == pytest.approx(1 + math.exp(-2.0))  # 1 / sigma(2)
     assert ThresholdRouter(8, 2, gate_scale=1.0).spec()["gate_scale"] == 1.0  # saved with the model
+
+
+def test_active_ratio_sets_tau_after_training_for_the_apr_on_the_training_text(make_ctx):
+    """The trained gates stay; the one tau of every layer moves so that the APR measured on training windows
+    is the target, and the converted model keeps it (its routers, the record, the activation analysis)."""
+    from moeify.calibration.data import calibration_batches
+    from moeify.methods.dsmoe.budget import measured_apr
+
+    _, ctx, details = converted("llama", make_ctx, steps=3, active_ratio=0.6)
+    matched = details["matched_tau"]
+    assert matched["trained_tau"] == 0.5 and matched["tau"] != 0.5
+    assert matched["trained_apr"] > 0.6 + 0.05 and matched["apr"] == pytest.approx(0.6, abs=0.02)
+    assert {layer.router.tau for layer in moe_layers(ctx.model)} == {matched["tau"]}
+    windows = calibration_batches(ctx.calib, ctx.tokenizer, FAST["batch_size"], FAST["seq_len"], ctx.seed)
+    assert measured_apr(ctx.model, windows) == matched["apr"]  # the routers hold the tau that measured it
+
+
+def test_an_active_ratio_below_the_attention_share_fails_before_training(make_ctx, monkeypatch):
+    import moeify.methods.dsmoe.train as train
+
+    monkeypatch.setattr(train, "continue_training", lambda *a: pytest.fail("trained before the check"))
+    with pytest.raises(OptionError, match=r"active_ratio=0.1 is out of range; allowed: \(0\.\d+, 1\]"):
+        converted("llama", make_ctx, active_ratio=0.1)

@@ -1,5 +1,6 @@
 """Reports read records only; compare matches budgets; bench prints both models' speed."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -39,7 +40,9 @@ def test_matched_options_follow_the_budget(stories):
     assert options == [{"active_ratio": 0.5}]
     options, _ = matched_options(get_method("more"), 0.6, adapter)
     assert options[0] == {"target_pr": pytest.approx(0.4)} and "layers" in options[1]
-    assert "not matched" in matched_options(get_method("dsmoe"), 0.5, adapter)[1]
+    assert matched_options(get_method("dsmoe"), 0.5, adapter)[0] == [{"active_ratio": 0.5}]  # tau after training
+    budgetless = dataclasses.replace(get_method("dsmoe"), match_budget=None, unmatched="no budget option")
+    assert matched_options(budgetless, 0.5, adapter) == ([{}], "not matched: no budget option")
 
 
 @pytest.fixture(scope="module")

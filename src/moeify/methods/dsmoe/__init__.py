@@ -23,7 +23,8 @@
    on, fitted so that x Y = 1 on at least 4 d tokens of the training text (g0 = sigma(1) = 0.73, each
    weighing 1: the dense model up to the fit's residual), not at the threshold (see ``train.py``).
 4. Inference: ``MoeMLP`` runs only the experts whose gates pass tau, per token; ``tau`` is a runtime
-   option (``moeify eval DIR --set tau=0.6``).
+   option (``moeify eval DIR --set tau=0.6``). ``active_ratio`` sets it after training for a given APR
+   (``budget.py``): how ``moeify compare`` matches DSMoE to the methods that take a budget.
 5. Analyses (``dsmoe_analysis``): perplexity and activated-parameter ratio for tau in 0.2..0.8
    (Appendix A, Table 4) and the activated experts per layer on each evaluation file (Fig. 3, PNG).
 
@@ -40,7 +41,7 @@ is in ``benchmarks/bench_dsmoe.py`` and docs/results.md.
 from __future__ import annotations
 
 from moeify.methods.base import Deferred, Method
-from moeify.methods.dsmoe.config import DsmoeConfig
+from moeify.methods.dsmoe.config import DsmoeConfig, match_budget
 
 DSMOE = Method(
     name="dsmoe",
@@ -51,7 +52,7 @@ DSMOE = Method(
     convert=Deferred("moeify.methods.dsmoe.convert", "convert"),
     analyze=Deferred("moeify.methods.dsmoe.convert", "analyze"),
     memory=Deferred("moeify.methods.dsmoe.memory", "memory"),
-    unmatched="its sparsity is learned (threshold tau), not set by a budget",
+    match_budget=match_budget,
     paper_ratio="model",
     partitions_mlp=True,
 )

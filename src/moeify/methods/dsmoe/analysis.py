@@ -20,16 +20,12 @@ from torch import nn
 from moeify.calibration.data import TextSource
 from moeify.evaluation.perplexity import perplexity
 from moeify.methods.base import Analysis, ConversionContext
+from moeify.methods.dsmoe.budget import set_tau_
 from moeify.methods.dsmoe.config import DsmoeConfig
 from moeify.moe.accounting import activated_parameters, moe_layers, paper_ratio, tracking_routing
 
 TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # Appendix A, Table 4
 HEATMAP = "dsmoe_activated_experts.png"
-
-
-def set_tau_(model: nn.Module, tau: float) -> None:
-    for layer in moe_layers(model):
-        layer.router.set_option("tau", tau)
 
 
 def measure(model: nn.Module, tokenizer: Any, source: TextSource, seq_len: int) -> dict[str, Any]:
@@ -67,12 +63,13 @@ def activation_heatmap(per_file: dict[str, list[float]], num_experts: int, tau: 
 
 
 def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> Analysis:
-    sweep = tau_sweep(ctx.model, ctx.tokenizer, sources, seq_len, tuple(sorted({*TAUS, cfg.tau})))
-    per_file = {row["data"]: row["experts_per_layer"] for row in sweep if row["tau"] == cfg.tau}
+    tau = moe_layers(ctx.model)[0].router.tau  # the model's own: cfg.tau, or the one active_ratio matched
+    sweep = tau_sweep(ctx.model, ctx.tokenizer, sources, seq_len, tuple(sorted({*TAUS, tau})))
+    per_file = {row["data"]: row["experts_per_layer"] for row in sweep if row["tau"] == tau}
     out: dict[str, Any] = {"tau_sweep": sweep,
-                           "activated_experts": {"tau": cfg.tau, "num_experts": cfg.num_experts, "per_file": per_file}}
+                           "activated_experts": {"tau": tau, "num_experts": cfg.num_experts, "per_file": per_file}}
     try:
-        artifacts = {HEATMAP: activation_heatmap(per_file, cfg.num_experts, cfg.tau)}
+        artifacts = {HEATMAP: activation_heatmap(per_file, cfg.num_experts, tau)}
         out["heatmap"] = HEATMAP
     except ImportError:
         artifacts = {}

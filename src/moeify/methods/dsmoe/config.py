@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from moeify.options import (
     MethodOptions,
@@ -17,6 +17,8 @@ from moeify.options import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+    from moeify.arch import DecoderAdapter
 
 
 @method_config
@@ -48,6 +50,10 @@ class DsmoeConfig(MethodOptions):
     resume: bool = option(False, "continue from the latest checkpoint in the work folder and finish")
     recompute: bool = option(True, "activation checkpointing while training: each decoder layer's activations are "
                                    "recomputed in the backward pass (far less memory, about 1/3 more compute)")
+    active_ratio: float | None = option(
+        None, "after training, set tau so that the APR measured on batch_size windows of the training text is "
+              "this (bisection; the gates unchanged); above the attention's share of the model; none: tau as "
+              "trained", low=0.0, high=1.0, low_open=True)
     analyses: bool = option(True, "tau sweep (Table 4) and per-layer activation heatmap (Fig. 3)")
 
     def validate(self) -> None:
@@ -69,6 +75,11 @@ class DsmoeConfig(MethodOptions):
         if not self.steps:
             return None
         return Training(False, self.batch_size, self.grad_accum, self.effective_seq_len(model_config), self.recompute)
+
+
+def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
+    """Trained as the paper trains it, then tau set for APR ``apr`` (``budget.match_tau_``)."""
+    return [{"active_ratio": apr}], f"active_ratio={apr} (tau set after training)"
 
 
 #: Tokens the margin fit sees per hidden dimension. With fewer the least-squares fit follows its own

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
-from moeify.calibration.data import TextSource
+from moeify.calibration.data import TextSource, calibration_batches
 from moeify.methods.base import Analysis, Conversion, ConversionContext
 from moeify.methods.dsmoe.config import DsmoeConfig, gate_scale
+from moeify.moe.accounting import attention_share
 from moeify.moe.experts.build import moe_from_partition
 from moeify.moe.experts.partition import ExpertPartition, even_sizes
-from moeify.options import require_work_dir_for_resume
+from moeify.options import OptionError, require_work_dir_for_resume
 from moeify.runtime.routers import ThresholdRouter
 
 
@@ -38,12 +39,20 @@ def partition_model_(ctx: ConversionContext, cfg: DsmoeConfig) -> list[list[int]
 
 def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> Conversion:
     require_work_dir_for_resume(cfg.resume, ctx.work_dir)
+    if cfg.active_ratio is not None and cfg.active_ratio <= (floor := attention_share(ctx.adapter)):
+        raise OptionError(f"active_ratio={cfg.active_ratio} is out of range; allowed: ({floor:.3f}, 1] (the "
+                          "attention's share of the model: no gate passing leaves it)")
     seq_len = cfg.effective_seq_len(ctx.model.config)
     details: dict[str, Any] = {"expert_sizes": partition_model_(ctx, cfg), "train_seq_len": seq_len}
     if cfg.steps:
         from moeify.methods.dsmoe.train import continue_training
 
         details["training"] = continue_training(ctx, cfg, seq_len)
+    if cfg.active_ratio is not None:
+        from moeify.methods.dsmoe.budget import match_tau_
+
+        windows = calibration_batches(ctx.calib, ctx.tokenizer, cfg.batch_size, seq_len, ctx.seed)
+        details["matched_tau"] = match_tau_(ctx.model, windows, cfg.active_ratio)
     return Conversion(ctx.model, details)
 
 
