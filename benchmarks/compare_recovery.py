@@ -39,13 +39,14 @@ from moeify.files import write_output_file
 HERE = Path(__file__).resolve().parent
 EVAL_CHARS = 100_000
 # in the order the run converts and recovers them
-METHODS = ("cmoe", "static_prune", "tomoe", "more", "teal", "dense2moe", "random_split")
+METHODS = ("cmoe", "static_prune", "tomoe", "dsmoe", "more", "teal", "dense2moe", "random_split")
 KD_METHODS = ("cmoe", "tomoe", "static_prune")  # also distilled, for the comparison of the two losses
 BUDGETS = (50_000, 100_000, 200_000)
-# the methods' own training at a CPU budget (their defaults are GPU-sized), and MoRE's budget at the measured
-# APR: its matcher's nominal 0.5 (uniform routing) measures 0.558 on this model
+# the methods' own training at a CPU budget (their defaults are GPU-sized; DSMoE's, 200 steps of 8 x 256 tokens,
+# are this CPU's), DSMoE without its tau sweep (seven evaluations), and MoRE's budget at the measured APR: its
+# matcher's nominal 0.5 (uniform routing) measures 0.558 on this model
 METHOD_OPTIONS = {"tomoe.steps": "250", "dense2moe.steps": "30", "dense2moe.seq_len": "256",
-                  "more.target_pr": "0.56"}
+                  "dsmoe.analyses": "false", "more.target_pr": "0.56"}
 # activations kept for the backward pass: a 135M model at 4 x 512 tokens fits this machine without recomputing
 RECOVERY = {"recover_recompute": "false"}
 # a speed pass whose slowest timed pass is this far above its fastest (relative to the median) was disturbed
