@@ -2,7 +2,7 @@
 # What only a GPU machine can confirm, as one command from the repository root (moeify importable), on
 # random LLaMA-shaped bfloat16 models built from a seed (benchmarks/gpu_speed.py build: no download):
 # - speed against the dense model, eager and compiled (`moeify bench`, both models in one process): CMoE
-#   S1A1E8 of a LLaMA-2-7B shape; ToMoE at APR 0.5 and DSMoE, a few training steps each, of a TinyLlama-1.1B
+#   S1A1E8 of a LLaMA-2-7B shape; ToMoE and DSMoE at APR 0.5, a few training steps each, of a TinyLlama-1.1B
 #   shape; MoRE's whole conversion time of the 7B shape;
 # - `moeify plan`'s peak against the measured device peak of each conversion (record.json's memory block);
 # - with MODEL set (a real checkpoint): bfloat16 perplexity within 1 % of float32 for cmoe, more, static_prune;
@@ -71,7 +71,7 @@ done
 if wanted cmoe; then convert cmoe "$LARGE" cmoe --set spec=S1A1E8; bench cmoe; fi
 if wanted more; then convert more "$LARGE" more --no-speed; fi
 if wanted tomoe; then convert tomoe "$SMALL" tomoe --set active_ratio=0.5 --set steps="$TRAIN_STEPS"; bench tomoe; fi
-if wanted dsmoe; then convert dsmoe "$SMALL" dsmoe --set steps="$TRAIN_STEPS"; bench dsmoe; fi
+if wanted dsmoe; then convert dsmoe "$SMALL" dsmoe --set active_ratio=0.5 --set steps="$TRAIN_STEPS"; bench dsmoe; fi
 mkdir -p "$(dirname "$RESULT")"
 step summarize python "$HERE/gpu_speed.py" summarize "$WORK" "$RESULT"
 cp "$RESULT" "$OUT/" 2>/dev/null || true

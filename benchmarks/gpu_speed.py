@@ -32,7 +32,7 @@ SHAPES = {
 # (run folder in WORK, the conversion's meaning): what gpu_check.sh converts, by the shape it converts
 RUNS = {"cmoe": "CMoE S1A1E8 of the larger shape", "more": "MoRE of the larger shape",
         "tomoe": "ToMoE at APR 0.5, a few steps, of the smaller shape",
-        "dsmoe": "DSMoE, a few steps, of the smaller shape"}
+        "dsmoe": "DSMoE at APR 0.5 (tau set after a few steps), of the smaller shape"}
 PLAN_TOLERANCE = 0.25
 
 
