@@ -14,12 +14,14 @@ the curve of the rows is drawn into ``docs/assets/``.
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
 each row saying its moeify version. ``--loss kd`` runs the same comparison for CMoE, ToMoE and static pruning
 with distillation in place of the LM loss (``recover_lm_share=0``), into its own results file; its ``--markdown``
-sets each budget's perplexity of both losses side by side.
+sets each budget's perplexity of both losses side by side, and ``--transfer`` evaluates the dense model and the
+models of both losses on text and zero-shot tasks unlike the training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
     python benchmarks/compare_recovery.py [--loss lm|kd] [--out DIR] [--resume] [--methods a,b]
     python benchmarks/compare_recovery.py [--loss lm|kd] --collect [--out DIR]  # rows of a run going or stopped
     python benchmarks/compare_recovery.py [--loss lm|kd] --bench  # then, on a quiet CPU
     python benchmarks/compare_recovery.py [--loss lm|kd] --markdown
+    python benchmarks/compare_recovery.py --transfer [--markdown]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench_real import CALIB, MODEL, write_eval_prefix  # this folder is on sys.path when run
+from bench_real import ASSETS, CALIB, MODEL, write_eval_prefix  # this folder is on sys.path when run
 
 from moeify.files import write_output_file
 
@@ -160,6 +162,52 @@ def versus(kd: list[dict[str, Any]], lm: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# ``--transfer``: the models of both losses on text and tasks unlike the training text (WikiText): the first
+# EVAL_CHARS characters of each text, the first TRANSFER_LIMIT items of each zero-shot task
+TRANSFER_TEXTS = {"ptb": ASSETS / "data" / "ptb" / "ptb.test.txt",
+                  "tinystories": ASSETS / "data" / "tinystories" / "tinystories_valid_dev.txt"}
+TRANSFER_TASKS = ("arc_easy", "piqa", "hellaswag", "winogrande")
+TRANSFER_LIMIT = 300
+TRANSFER = RESULTS / "compare_recovery_transfer.jsonl"
+
+
+def transfer() -> None:
+    """``moeify eval`` of the dense model and of every method's model recovered by both losses (where both runs'
+    folders exist), its rows written to ``TRANSFER``."""
+    texts = MODELS / "transfer_texts"
+    texts.mkdir(parents=True, exist_ok=True)
+    data = []
+    for name, path in TRANSFER_TEXTS.items():
+        (prefix := texts / f"{name}_first{EVAL_CHARS}.txt").write_text(path.read_text()[:EVAL_CHARS])
+        data += ["--data", str(prefix)]
+    models = [("dense", "-", MODEL)] + [(method, loss, run.out / method) for method in KD_METHODS
+                                        for loss, run in RUNS.items() if (run.out / method / "record.json").is_file()]
+    rows = []
+    for method, loss, model in models:
+        result = texts / f"{loss}_{method}.json"
+        subprocess.run([sys.executable, "-m", "moeify", "eval", str(model), *data, "--seq-len", "2048",
+                        "--tasks", ",".join(TRANSFER_TASKS), "--task-data", str(ASSETS / "data"),
+                        "--limit", str(TRANSFER_LIMIT), "--json", str(result), "--overwrite"], check=True)
+        scores = json.loads(result.read_text())
+        tasks = {task: {"metric": "acc_norm" if "acc_norm" in v else "acc", "value": v.get("acc_norm", v["acc"]),
+                        "n": v["n"]} for task, v in scores["tasks"].items()}
+        rows.append({"method": method, "loss": loss, "ppl": scores["ppl"], "tasks": tasks, "model": str(model)})
+    write_output_file(TRANSFER, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def transfer_markdown() -> str:
+    """The ``TRANSFER`` rows: perplexity per text and accuracy per task, each method's two losses together."""
+    rows = [json.loads(line) for line in TRANSFER.read_text().splitlines()] if TRANSFER.is_file() else []
+    loss_names = {"kd": "distillation", "lm": "LM loss", "-": "-"}
+    lines = ["| model | loss | " + " | ".join(f"PPL {t}" for t in TRANSFER_TEXTS) + " | "
+             + " | ".join(TRANSFER_TASKS) + " |", "|---|---|" + "---|" * (len(TRANSFER_TEXTS) + len(TRANSFER_TASKS))]
+    for r in rows:
+        cells = [f"{v:.2f}" for v in r["ppl"].values()] + [f"{r['tasks'][t]['value']:.3f}" for t in TRANSFER_TASKS]
+        lines.append(f"| {r['method']} | {loss_names[r['loss']]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (f"\n\nPerplexity on the first {EVAL_CHARS:,} characters of each text; tasks: the first "
+                               f"{TRANSFER_LIMIT} items each (acc_norm where lm-eval gives it, else acc).")
+
+
 def rows_of(run: Run) -> list[dict[str, Any]]:
     return [json.loads(line) for line in run.results.read_text().splitlines()] if run.results.is_file() else []
 
@@ -195,6 +243,9 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
     parser.add_argument("--bench", action="store_true",
                         help="moeify bench each finished row's folder that has no bench file yet, then exit")
+    parser.add_argument("--transfer", action="store_true",
+                        help=f"evaluate {', '.join(KD_METHODS)} recovered by both losses on other text and zero-shot "
+                             "tasks (with --markdown: print that table)")
     parser.add_argument("--methods", help="comma-separated part of the comparison's methods to run (default: all)")
     args = parser.parse_args()
     run = RUNS[args.loss]
@@ -204,6 +255,13 @@ def main() -> None:
             parser.error(f"--methods {','.join(unknown)}: not in this comparison ({','.join(run.methods)})")
         run = replace(run, methods=picked)
     out = args.out or run.out
+    if args.transfer and args.markdown:
+        print(transfer_markdown())
+        return
+    if args.transfer:
+        transfer()
+        print(transfer_markdown())
+        return
     if args.markdown:
         print(markdown(run, rows_of(run)) if args.loss == "lm" else versus(rows_of(run), rows_of(RUNS["lm"])))
         return
