@@ -44,6 +44,7 @@ EVAL_CHARS = 100_000
 METHODS = ("cmoe", "static_prune", "tomoe", "dsmoe", "more", "teal", "dense2moe", "random_split")
 KD_METHODS = ("cmoe", "tomoe", "static_prune")  # also distilled, for the comparison of the two losses
 BUDGETS = (50_000, 100_000, 200_000)
+ACTIVE, APR_TOLERANCE = 0.5, 0.02  # the matched APR, and how far a row's measured APR may be from it
 # the methods' own training at a CPU budget (their defaults are GPU-sized; DSMoE's, 200 steps of 8 x 256 tokens,
 # are this CPU's), DSMoE without its tau sweep (seven evaluations), and MoRE's budget at the measured APR: its
 # matcher's nominal 0.5 (uniform routing) measures 0.558 on this model
@@ -73,10 +74,11 @@ class Run:
 
 RESULTS, MODELS = HERE / "results", HERE / "results" / "models"
 FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/results.md
-RUNS = {"lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recovery.jsonl", FIGURES / "compare_recovery.png",
-                  MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_bench"),
+RUNS = {"lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recovery.jsonl",
+                  FIGURES / "compare_recovery.png", MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_bench"),
         "kd": Run(KD_METHODS, {"recover_lm_share": "0"}, RESULTS / "compare_recovery_kd.jsonl",
-                  FIGURES / "compare_recovery_kd.png", MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
+                  FIGURES / "compare_recovery_kd.png", MODELS / "compare_apr0.5",
+                  RESULTS / "compare_recovery_kd_bench")}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
 BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
 
@@ -86,18 +88,20 @@ def command(run: Run, out: Path, extra: list[str]) -> list[str]:
     out.parent.mkdir(parents=True, exist_ok=True)
     eval_file = write_eval_prefix(EVAL_CHARS, out.parent)
     options = {key: value for key, value in METHOD_OPTIONS.items() if key.split(".")[0] in run.methods}
-    sets = [arg for key, value in {**options, **RECOVERY, **run.recovery}.items() for arg in ("--set", f"{key}={value}")]
-    return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(run.methods), "--active", "0.5",
-            "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
-            "--recover-tokens", ",".join(map(str, BUDGETS)), *sets, *extra]
+    sets = [arg for key, value in {**options, **RECOVERY, **run.recovery}.items()
+            for arg in ("--set", f"{key}={value}")]
+    return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(run.methods),
+            "--active", str(ACTIVE), "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file),
+            "--seq-len", "2048", "--recover-tokens", ",".join(map(str, BUDGETS)), *sets, *extra]
 
 
 def collect(run: Run, out: Path) -> list[dict[str, Any]]:
-    """One row per method of the run in ``out``: its compare.json and records, or, for a run still going (or
+    """One row per method of the run in ``out``: its compare.json and records, and, for a run still going (or
     stopped, to be resumed), the methods it has finished so far."""
-    summaries = (json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else
-                 [{"method": m, "matched": "(run not finished)", "folder": str(out / m)} if (out / m / "record.json").is_file()
-                  else {"method": m, "matched": "-", "error": NOT_RUN} for m in run.methods])
+    summaries = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else []
+    summaries += [{"method": m, "matched": "(run not finished)", "folder": str(out / m)}
+                  if (out / m / "record.json").is_file() else {"method": m, "matched": "-", "error": NOT_RUN}
+                  for m in run.methods if m not in {s["method"] for s in summaries}]  # an earlier run's compare.json
     rows = []
     for summary in summaries:
         row: dict[str, Any] = {"method": summary["method"], "matched": summary["matched"],
@@ -126,7 +130,8 @@ def markdown(run: Run, rows: list[dict[str, Any]]) -> str:
     for r in sorted((r for r in rows if "curve" in r), key=lambda r: r["ppl"]):
         after = " | ".join(f"{ppl:.2f}" for _, ppl in r["curve"][1:])
         speed = speed_cell(run, r)
-        lines.append(f"| {r['method']} | {r['apr']:.3f} | {r['ppl_before']:.2f} | {after} | "
+        apr = f"{r['apr']:.3f}" + (" (off target)" if abs(r["apr"] - ACTIVE) > APR_TOLERANCE else "")
+        lines.append(f"| {r['method']} | {apr} | {r['ppl_before']:.2f} | {after} | "
                      f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
     lines += [f"| {r['method']} | {r['error'] if r['error'] == NOT_RUN else 'failed: ' + r['error']} |"
               for r in rows if "curve" not in r]
