@@ -177,22 +177,24 @@ TRANSFER = RESULTS / "compare_recovery_transfer.jsonl"
 
 
 def transfer() -> None:
-    """``moeify eval`` of the dense model and of every method's model recovered by both losses (where both runs'
-    folders exist), its rows written to ``TRANSFER``."""
+    """``moeify eval`` of the dense model and of every method's models recovered by both losses (where both runs'
+    folders exist), its rows written to ``TRANSFER``; an evaluation already in ``MODELS/transfer_texts`` is
+    read, not run again."""
     texts = MODELS / "transfer_texts"
     texts.mkdir(parents=True, exist_ok=True)
     data = []
     for name, path in TRANSFER_TEXTS.items():
         (prefix := texts / f"{name}_first{EVAL_CHARS}.txt").write_text(path.read_text()[:EVAL_CHARS])
         data += ["--data", str(prefix)]
-    models = [("dense", "-", MODEL)] + [(method, loss, run.out / method) for method in KD_METHODS
-                                        for loss, run in RUNS.items() if (run.out / method / "record.json").is_file()]
+    both = [m for m in KD_METHODS if all((run.out / m / "record.json").is_file() for run in RUNS.values())]
+    models = [("dense", "-", MODEL)] + [(m, loss, run.out / m) for m in both for loss, run in RUNS.items()]
     rows = []
     for method, loss, model in models:
-        result = texts / f"{loss}_{method}.json"
-        subprocess.run([sys.executable, "-m", "moeify", "eval", str(model), *data, "--seq-len", "2048",
-                        "--tasks", ",".join(TRANSFER_TASKS), "--task-data", str(ASSETS / "data"),
-                        "--limit", str(TRANSFER_LIMIT), "--json", str(result), "--overwrite"], check=True)
+        result = texts / f"{loss}_{method}.json"  # kept: a run stopped part way continues where it was
+        if not result.is_file():
+            subprocess.run([sys.executable, "-m", "moeify", "eval", str(model), *data, "--seq-len", "2048",
+                            "--tasks", ",".join(TRANSFER_TASKS), "--task-data", str(ASSETS / "data"),
+                            "--limit", str(TRANSFER_LIMIT), "--json", str(result)], check=True)
         scores = json.loads(result.read_text())
         tasks = {task: {"metric": "acc_norm" if "acc_norm" in v else "acc", "value": v.get("acc_norm", v["acc"]),
                         "n": v["n"]} for task, v in scores["tasks"].items()}
