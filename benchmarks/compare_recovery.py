@@ -235,8 +235,8 @@ def bench(run: Run, rows: list[dict[str, Any]]) -> None:
     for row in rows:
         target = run.bench / f"{row['method']}.json"
         if "curve" in row and not target.is_file():
-            subprocess.run([sys.executable, "-m", "moeify", "bench", row["folder"], *BENCH_ARGS, "--json", str(target)],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "moeify", "bench", row["folder"], *BENCH_ARGS,
+                            "--json", str(target)], check=True)
 
 
 def main() -> None:
@@ -262,11 +262,9 @@ def main() -> None:
             parser.error(f"--methods {','.join(unknown)}: not in this comparison ({','.join(run.methods)})")
         run = replace(run, methods=picked)
     out = args.out or run.out
-    if args.transfer and args.markdown:
-        print(transfer_markdown())
-        return
     if args.transfer:
-        transfer()
+        if not args.markdown:
+            transfer()
         print(transfer_markdown())
         return
     if args.markdown:

@@ -41,8 +41,9 @@ class CoActivation:
     The counts accumulate where the activations are (the work device): C grows by an (m, tokens) x
     (tokens, m) product per batch, a GEMM that a GPU runs far faster than the host, and the batch's
     (tokens, m) activations never cross to the host. Only the restriction that MoRE clusters does
-    (``coactivation_among``: the eigendecomposition and k-means run on the host). They accumulate in float32, exact integers up to 2^24 tokens (then float64): half the memory of
-    float64 at the same values, which matters at m = 11,008 (0.5 GB)."""
+    (``coactivation_among``: the eigendecomposition and k-means run on the host). They accumulate in
+    float32, exact integers up to 2^24 tokens (then float64): half the memory of float64 at the same
+    values, which matters at m = 11,008 (0.5 GB)."""
 
     def __init__(self, hidden_size: int, width: int, k_act: int) -> None:
         self.k_act, self.width = k_act, width
@@ -89,7 +90,8 @@ class CoActivation:
         """C restricted to ``channels`` with its diagonal zeroed (float64, the graph MoRE clusters on the host),
         built with one float64 copy of the restriction only."""
         co = self._counts_matrix()
-        restricted = co[channels.to(co.device)[:, None], channels.to(co.device)].cpu().numpy().astype(np.float64)
+        channels = channels.to(co.device)
+        restricted = co[channels[:, None], channels].cpu().numpy().astype(np.float64)
         restricted /= self.tokens
         np.fill_diagonal(restricted, 0.0)
         return restricted

@@ -24,7 +24,7 @@ class Dispatch:
     has ``top_k`` and ``slot``: each pair's index in the flattened (tokens, k) choice matrix, so that
     the expert outputs can be summed per token in slot order, as transformers does. ``real``, where set,
     marks the pairs that were chosen: the others follow them, weigh 0 and lie past the last expert's group
-    (a compiled graph's fixed number of pairs, ``from_mask``)."""
+    (``from_mask`` where ``lists_every_pair``: a compiled graph, inference on a GPU)."""
 
     token: Tensor
     expert: Tensor
