@@ -13,14 +13,15 @@ the curve of the rows is drawn into ``docs/assets/``.
 ``--methods`` runs part of the methods (the same command and settings, the others' rows kept): the run folders
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
 each row saying its moeify version. ``--loss kd`` runs the same comparison for CMoE, ToMoE and static pruning
-with distillation in place of the LM loss (``recover_lm_share=0``), into its own results file; its ``--markdown``
-sets each budget's perplexity of both losses side by side, and ``--transfer`` evaluates the dense model and the
-models of both losses on text and zero-shot tasks unlike the training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
+with distillation in place of the LM loss (``recover_lm_share=0``), ``--loss mix`` CMoE and static pruning with
+half of each (``recover_lm_share=0.5``), each into its own results file; their ``--markdown`` sets each budget's
+perplexity of every loss side by side, and ``--transfer`` evaluates the dense model and the models of every loss
+on text and zero-shot tasks unlike the training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
-    python benchmarks/compare_recovery.py [--loss lm|kd] [--out DIR] [--resume] [--methods a,b]
-    python benchmarks/compare_recovery.py [--loss lm|kd] --collect [--out DIR]  # rows of a run going or stopped
-    python benchmarks/compare_recovery.py [--loss lm|kd] --bench  # then, on a quiet CPU
-    python benchmarks/compare_recovery.py [--loss lm|kd] --markdown
+    python benchmarks/compare_recovery.py [--loss lm|kd|mix] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--loss lm|kd|mix] --collect [--out DIR]  # rows of a run going or stopped
+    python benchmarks/compare_recovery.py [--loss lm|kd|mix] --bench  # then, on a quiet CPU
+    python benchmarks/compare_recovery.py [--loss lm|kd|mix] --markdown
     python benchmarks/compare_recovery.py --transfer [--markdown]
 """
 
@@ -43,6 +44,7 @@ EVAL_CHARS = 100_000
 # in the order the run converts and recovers them
 METHODS = ("cmoe", "static_prune", "tomoe", "dsmoe", "more", "teal", "dense2moe", "random_split")
 KD_METHODS = ("cmoe", "tomoe", "static_prune")  # also distilled, for the comparison of the two losses
+MIX_METHODS = ("cmoe", "static_prune")  # also with half of each loss
 BUDGETS = (50_000, 100_000, 200_000)
 ACTIVE, APR_TOLERANCE = 0.5, 0.02  # the matched APR, and how far a row's measured APR may be from it
 # the methods' own training at a CPU budget (their defaults are GPU-sized; DSMoE's, 200 steps of 8 x 256 tokens,
@@ -78,7 +80,11 @@ RUNS = {"lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recover
                   FIGURES / "compare_recovery.png", MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_bench"),
         "kd": Run(KD_METHODS, {"recover_lm_share": "0"}, RESULTS / "compare_recovery_kd.jsonl",
                   FIGURES / "compare_recovery_kd.png", MODELS / "compare_apr0.5",
-                  RESULTS / "compare_recovery_kd_bench")}
+                  RESULTS / "compare_recovery_kd_bench"),
+        "mix": Run(MIX_METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_recovery_mix.jsonl",
+                   FIGURES / "compare_recovery_mix.png", MODELS / "compare_apr0.5_mix",
+                   RESULTS / "compare_recovery_mix_bench")}
+LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each"}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
 BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
 
@@ -152,22 +158,21 @@ def speed_cell(run: Run, row: dict[str, Any]) -> str:
     return f"{row['speedup']:.2f}x" + (f" (disturbed: spread {row['speed_spread']:.0%})" if noisy else "")
 
 
-def versus(kd: list[dict[str, Any]], lm: list[dict[str, Any]]) -> str:
-    """Each method's perplexity after each budget, distilled and with the LM loss."""
-    finished = {(loss, r["method"]): r for loss, rows in (("distillation", kd), ("LM loss", lm)) for r in rows
-                if "curve" in r}
+def versus() -> str:
+    """Each method's perplexity after each budget with each loss it was recovered with."""
+    finished = {(loss, r["method"]): r for loss, run in RUNS.items() for r in rows_of(run) if "curve" in r}
     budgets = (0, *BUDGETS)
     lines = ["| method | loss | PPL before | " + " | ".join(f"after {t // 1000}k" for t in BUDGETS) + " |",
              "|---|---|" + "---|" * len(budgets)]
     for method in RUNS["kd"].methods:
-        for loss in ("distillation", "LM loss"):
-            r = finished.get((loss, method))
-            cells = [f"{ppl:.2f}" for _, ppl in r["curve"]] if r else [NOT_RUN] + ["-"] * (len(budgets) - 1)
-            lines.append(f"| {method} | {loss} | " + " | ".join(cells) + " |")
+        for loss in RUNS:
+            if (r := finished.get((loss, method))) or method in RUNS[loss].methods:
+                cells = [f"{ppl:.2f}" for _, ppl in r["curve"]] if r else [NOT_RUN] + ["-"] * (len(budgets) - 1)
+                lines.append(f"| {method} | {LOSS_NAMES[loss]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-# ``--transfer``: the models of both losses on text and tasks unlike the training text (WikiText): the first
+# ``--transfer``: the models of every loss on text and tasks unlike the training text (WikiText): the first
 # EVAL_CHARS characters of each text, the first TRANSFER_LIMIT items of each zero-shot task
 TRANSFER_TEXTS = {"ptb": ASSETS / "data" / "ptb" / "ptb.test.txt",
                   "tinystories": ASSETS / "data" / "tinystories" / "tinystories_valid_dev.txt"}
@@ -177,8 +182,8 @@ TRANSFER = RESULTS / "compare_recovery_transfer.jsonl"
 
 
 def transfer() -> None:
-    """``moeify eval`` of the dense model and of every method's models recovered by both losses (where both runs'
-    folders exist), its rows written to ``TRANSFER``; an evaluation already in ``MODELS/transfer_texts`` is
+    """``moeify eval`` of the dense model and of every method's models recovered by each loss (where the
+    run's folder exists), its rows written to ``TRANSFER``; an evaluation already in ``MODELS/transfer_texts`` is
     read, not run again."""
     texts = MODELS / "transfer_texts"
     texts.mkdir(parents=True, exist_ok=True)
@@ -186,8 +191,8 @@ def transfer() -> None:
     for name, path in TRANSFER_TEXTS.items():
         (prefix := texts / f"{name}_first{EVAL_CHARS}.txt").write_text(path.read_text()[:EVAL_CHARS])
         data += ["--data", str(prefix)]
-    both = [m for m in KD_METHODS if all((run.out / m / "record.json").is_file() for run in RUNS.values())]
-    models = [("dense", "-", MODEL)] + [(m, loss, run.out / m) for m in both for loss, run in RUNS.items()]
+    models = [("dense", "-", MODEL)] + [(m, loss, run.out / m) for m in KD_METHODS for loss, run in RUNS.items()
+                                        if (run.out / m / "record.json").is_file()]
     rows = []
     for method, loss, model in models:
         result = texts / f"{loss}_{method}.json"  # kept: a run stopped part way continues where it was
@@ -205,12 +210,11 @@ def transfer() -> None:
 def transfer_markdown() -> str:
     """The ``TRANSFER`` rows: perplexity per text and accuracy per task, each method's two losses together."""
     rows = [json.loads(line) for line in TRANSFER.read_text().splitlines()] if TRANSFER.is_file() else []
-    loss_names = {"kd": "distillation", "lm": "LM loss", "-": "-"}
     lines = ["| model | loss | " + " | ".join(f"PPL {t}" for t in TRANSFER_TEXTS) + " | "
              + " | ".join(TRANSFER_TASKS) + " |", "|---|---|" + "---|" * (len(TRANSFER_TEXTS) + len(TRANSFER_TASKS))]
     for r in rows:
         cells = [f"{v:.2f}" for v in r["ppl"].values()] + [f"{r['tasks'][t]['value']:.3f}" for t in TRANSFER_TASKS]
-        lines.append(f"| {r['method']} | {loss_names[r['loss']]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['method']} | {LOSS_NAMES.get(r['loss'], r['loss'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nPerplexity on the first {EVAL_CHARS:,} characters of each text; tasks: the first "
                                f"{TRANSFER_LIMIT} items each (acc_norm where lm-eval gives it, else acc).")
 
@@ -243,7 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss", choices=sorted(RUNS), default="lm",
                         help="lm: every method with the LM loss, the recovery's default (the table); kd: "
-                             f"{', '.join(KD_METHODS)} distilled, set beside their LM-loss rows")
+                             f"{', '.join(KD_METHODS)} distilled; mix: {', '.join(MIX_METHODS)} with half of each "
+                             "loss; kd and mix rows are set beside the LM-loss rows")
     parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --loss)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
@@ -251,7 +256,7 @@ def main() -> None:
     parser.add_argument("--bench", action="store_true",
                         help="moeify bench each finished row's folder that has no bench file yet, then exit")
     parser.add_argument("--transfer", action="store_true",
-                        help=f"evaluate {', '.join(KD_METHODS)} recovered by both losses on other text and zero-shot "
+                        help=f"evaluate {', '.join(KD_METHODS)} recovered by each loss on other text and zero-shot "
                              "tasks (with --markdown: print that table)")
     parser.add_argument("--methods", help="comma-separated part of the comparison's methods to run (default: all)")
     args = parser.parse_args()
@@ -268,7 +273,7 @@ def main() -> None:
         print(transfer_markdown())
         return
     if args.markdown:
-        print(markdown(run, rows_of(run)) if args.loss == "lm" else versus(rows_of(run), rows_of(RUNS["lm"])))
+        print(markdown(run, rows_of(run)) if args.loss == "lm" else versus())
         return
     if args.bench:
         bench(run, [r for r in rows_of(run) if r["method"] in run.methods])

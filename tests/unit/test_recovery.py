@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import moeify
-from moeify.api import export_folder
+from moeify.api import export_folder, recover_run
 from moeify.calibration.data import token_stream
 from moeify.methods import get_method
 from moeify.options import OptionError, build_config
@@ -368,3 +368,19 @@ def test_a_bfloat16_conversion_recovers_in_float32_masters_and_stays_bfloat16(ma
         gaps = [float((a.float() - b.float()).abs().max() / b.float().abs().max())
                 for a, b in zip(low.parameters(), reference.parameters())]
     assert max(gaps) < 0.05
+
+
+def test_a_recovery_calibrates_teal_again_in_convert_and_in_recover(tmp_path):
+    teal = {"sparsity": 0.5, "calib_samples": 4, "seq_len": 64}
+    recovery = {"recover_tokens": 512, "recover_seq_len": 64, "recover_lr": 3e-3}
+    result = moeify.convert(method="teal", options={**teal, **recovery}, measure_speed=False)
+    record = result.record
+    fitted, refitted = record["details"]["thresholds"], record["recovery"]["refit"]["thresholds"]
+    assert len(refitted) == len(fitted) and refitted != fitted  # the weights moved, the cut-offs followed
+    assert record["active"]["apr"] == pytest.approx(record["pre_recovery"]["active"]["apr"], abs=0.03)
+    again = recover_run(moeify.save(result, tmp_path / "teal"), recovery, measure_speed=False).record
+    assert again["recovery"]["refit"]["calibration"] == record["recovery"]["refit"]["calibration"]
+    assert again["recovery"]["refit"]["thresholds"] != refitted
+    cmoe = moeify.convert(method="cmoe", options={"calib_samples": 4, "seq_len": 64, **recovery},
+                          measure_speed=False)
+    assert "refit" not in cmoe.record["recovery"]  # nothing of CMoE's routing is a calibration of the weights

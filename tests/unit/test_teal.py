@@ -1,5 +1,6 @@
 """TEAL: thresholds hit the target sparsity on calibration data, activated parameters are the kept
-columns, and a saved TEAL model reloads (moeify.load and trust_remote_code) with the same logits."""
+columns, a refit after the weights moved restores the sparsity, and a saved TEAL model reloads
+(moeify.load and trust_remote_code) with the same logits."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import moeify
 from moeify.api import ConversionResult
 from moeify.arch import DecoderAdapter
 from moeify.methods.teal import TealConfig
-from moeify.methods.teal.convert import convert, magnitude_threshold
+from moeify.calibration.data import calibration_batches
+from moeify.methods.teal.convert import convert, magnitude_threshold, refit
 from moeify.moe.accounting import activated_parameters, tracking_routing
 from moeify.options import OptionError
 from moeify.runtime.sparse_inputs import ThresholdedLinear
@@ -49,6 +51,29 @@ def test_every_projection_is_thresholded_and_the_apr_follows_the_sparsity(family
         model(IDS)
     measured = activated_parameters(model)
     assert measured.measured and 0.3 < measured.apr < 0.9
+
+
+def test_a_refit_keeps_unmoved_thresholds_and_brings_moved_inputs_back_to_the_sparsity(make_ctx):
+    model = clone(tiny_model("llama", **STORIES_VOCAB))
+    ctx = make_ctx(model)
+    cfg = TealConfig(sparsity=0.5, calib_samples=4, seq_len=64)
+    fitted = convert(ctx, cfg).details["thresholds"]
+    windows = calibration_batches(ctx.calib, ctx.tokenizer, 4, 64, ctx.seed)
+
+    def apr() -> float:
+        with tracking_routing(model), torch.no_grad():
+            model(windows)
+        return activated_parameters(model).apr
+
+    calibrated = apr()
+    assert refit(ctx, cfg)["thresholds"] == fitted  # the same weights: the same cut-offs, bit for bit
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(3)  # what q/k/v/gate/up read grows threefold
+    assert apr() > calibrated + 0.1  # the old cut-offs now keep far more inputs
+    moved = refit(ctx, cfg)["thresholds"]
+    assert moved[0]["self_attn.q_proj"] == pytest.approx(3 * fitted[0]["self_attn.q_proj"], rel=1e-3)
+    assert apr() == pytest.approx(calibrated, abs=0.005)
 
 
 def test_a_saved_teal_model_reloads_with_the_same_logits(make_ctx, tokenizer, tmp_path):

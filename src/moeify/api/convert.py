@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from moeify.api.recover import recovery_identity, run_recovery
+from moeify.api.recover import method_refit, recovery_identity, run_recovery
 from moeify.api.result import ConversionResult, memory_record, quality_metrics
 from moeify.arch import family_for
 from moeify.calibration.corpus import Corpus, read_corpus
@@ -167,7 +167,9 @@ def _recovered(request: _Request, moe: PreTrainedModel, tokenizer: Any, *, dtype
                                   identity=recovery_identity(request.model), eval_source=eval_source,
                                   seq_len=request.seq_len, seed=seed, device=device, work_dir=work_dir,
                                   cache_dir=None if teacher_cache is None else Path(teacher_cache),
-                                  milestones=milestones, progress=progress)
+                                  milestones=milestones, progress=progress,
+                                  refit=method_refit(request.spec, request.config, tokenizer, request.calib, seed=seed,
+                                                     device=device, progress=progress))
     return moe, {**recovered, "pre_recovery": pre}
 
 

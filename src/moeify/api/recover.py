@@ -2,14 +2,17 @@
 (``moeify.training.recovery``), as the last stage of ``convert`` (``--set recover_tokens=N``) or for a saved
 conversion (``moeify recover RUN``). The record keeps what the conversion measured before the recovery
 (``pre_recovery``), beside the recovery's tokens, wall time, trainable parameters, loss curve and the
-perplexity after each milestone. Returns values, prints nothing."""
+perplexity after each milestone. A method whose budget is a calibration of the weights (``Method.refit``: TEAL's
+thresholds, DSMoE's matched tau) is calibrated again after the recovery, so that the recovered model holds the
+budget it was converted at; the milestones' perplexities are measured before that, at the conversion's
+calibration. Returns values, prints nothing."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +26,7 @@ from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.loading import load_config, load_model, working_dtype
 from moeify.memory_plan import check_fits, recovery_memory
 from moeify.methods import get_method
+from moeify.methods.base import ConversionContext, Method
 from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
 from moeify.planning import MethodMemory, ModelShape, plan_memory
@@ -31,6 +35,7 @@ from moeify.training.recovery import recover, teacher_cache
 from moeify.training.recovery_options import RecoveryOptions
 
 SEED_OFFSET = 2  # the recovery's windows are drawn apart from the method's own training (seed + 1)
+Refit = Callable[[PreTrainedModel], "dict[str, Any] | None"]  # a recovered model's budget calibrated again
 
 
 def recovery_identity(teacher: str | Path | None) -> dict[str, Any]:
@@ -41,10 +46,12 @@ def recovery_identity(teacher: str | Path | None) -> dict[str, Any]:
 def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedModel, calib: Corpus,
                  options: RecoveryOptions, *, identity: dict[str, Any], eval_source: TextSource, seq_len: int,
                  seed: int, device: str, work_dir: Path | None, cache_dir: Path | None = None,
-                 milestones: tuple[int, ...] = (), progress: bool = False) -> tuple[PreTrainedModel, dict[str, Any]]:
+                 milestones: tuple[int, ...] = (), progress: bool = False,
+                 refit: Refit | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
     """Recover ``model`` from the dense ``teacher`` on ``calib``; the perplexity on ``eval_source`` is measured
     after each of ``milestones`` tokens below the budget. ``identity`` names the teacher for checkpoints and
-    caches. Returns (the recovered model, the record's ``recovery`` block)."""
+    caches; ``refit`` (``method_refit``) calibrates the recovered model's budget again. Returns (the recovered
+    model, the record's ``recovery`` block)."""
     require_work_dir_for_resume(options.recover_resume, work_dir)
     teacher.eval().requires_grad_(False)
     student = model  # LoRA adapters, while they train, sit inside this model
@@ -59,9 +66,21 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
                              work_dir=work_dir, cache_dir=cache_dir,
                              milestones=tuple(m for m in milestones if m < options.recover_tokens),
                              on_milestone=evaluate, progress=progress)
+    if refit is not None and (entry := refit(model)) is not None:
+        summary["refit"] = entry
     wall_s = time.perf_counter() - start + summary["earlier_seconds"]  # a resumed recovery: its whole time
     return model, {**summary, "wall_s": wall_s, "options": vars(options),
                    "calib": {"name": calib.name, "sha256": calib.sha256}}
+
+
+def method_refit(method: Method, config: Any, tokenizer: Any, calib: Corpus, *, seed: int, device: str,
+                 progress: bool = False) -> Refit | None:
+    """``method``'s refit of a recovered model, on the conversion's text and seed (its calibration windows);
+    None for a method with nothing calibrated on the weights."""
+    if method.refit is None:
+        return None
+    refit = method.refit
+    return lambda model: refit(ConversionContext(model, tokenizer, calib, seed, torch.device(device), progress), config)
 
 
 def prepare_teacher_cache(teacher: PreTrainedModel, tokenizer: Any, calib: Corpus,
@@ -119,9 +138,12 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     with tracking_routing(model):
         before = perplexity(model, tokenizer, eval_source, seq_len)
     active_before = activated_parameters(model, measured=True).as_dict()
+    method = get_method(record.method)
+    refit = method_refit(method, _method_config(method, record.config), tokenizer, calib_source,
+                         seed=record.config.get("seed", 0), device=device, progress=progress)
     model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity=recovery_identity(teacher),
                                 eval_source=eval_source, seq_len=seq_len, seed=seed, device=device,
-                                work_dir=work_dir, milestones=milestones, progress=progress)
+                                work_dir=work_dir, milestones=milestones, progress=progress, refit=refit)
     with tracking_routing(model):
         after = perplexity(model, tokenizer, eval_source, seq_len)
     measured = activated_parameters(model, measured=True)
@@ -129,8 +151,14 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
         forward_speed(dense.eval(), *SPEED_SHAPE), forward_speed(model.eval(), *SPEED_SHAPE), *SPEED_SHAPE)
     new = dataclasses.replace(
         record, metrics=quality_metrics(dense_quality, after), active=measured.as_dict(),
-        paper_ratio=paper_ratio(model, measured, get_method(record.method).paper_ratio),
+        paper_ratio=paper_ratio(model, measured, method.paper_ratio),
         data={**record.data, "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
         speed=speed, memory=memory_record(memory, device), recovery=block,
         pre_recovery={"ppl": before.ppl, "eval": before.as_dict(), "active": active_before, "metrics": record.metrics})
     return ConversionResult(model, tokenizer, new.as_dict())
+
+
+def _method_config(method: Method, recorded: dict[str, Any]) -> Any:
+    """The method's options as the run's record keeps them (beside the run's own settings: seed, device, ...)."""
+    names = {field.name for field in dataclasses.fields(method.config_cls)}
+    return build_config(method.config_cls, {key: value for key, value in recorded.items() if key in names})

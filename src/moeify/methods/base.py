@@ -106,6 +106,10 @@ class Method:
     and the held-out evaluation texts after the common evaluation and returns an ``Analysis``; it never
     trains.
 
+    ``refit(ctx, config)``, if any: after a recovery moved the weights of ``ctx.model``, set again what the
+    method calibrated on the weights to hold its budget (TEAL's thresholds, DSMoE's matched tau), in place;
+    returns the record's ``recovery.refit`` entry, or None where nothing needed it.
+
     ``match_budget(apr, adapter)``: option sets to try in order so that the conversion lands at the
     activated-parameter ratio ``apr``, and a line saying how (``moeify compare``); None when the method
     cannot be matched, ``unmatched`` saying why. ``runtime_options``: options of a converted model that
@@ -128,6 +132,7 @@ class Method:
     config_cls: type
     convert: Callable[[ConversionContext, Any], Conversion]
     analyze: Callable[[ConversionContext, Any, list[TextSource], int], Analysis] | None = None
+    refit: Callable[[ConversionContext, Any], dict[str, Any] | None] | None = None
     match_budget: BudgetMatcher | None = None
     unmatched: str = "it has no budget option"
     runtime_options: Mapping[str, RuntimeOption] = field(default_factory=dict)

@@ -51,6 +51,7 @@ DSMOE = Method(
     config_cls=DsmoeConfig,
     convert=Deferred("moeify.methods.dsmoe.convert", "convert"),
     analyze=Deferred("moeify.methods.dsmoe.convert", "analyze"),
+    refit=Deferred("moeify.methods.dsmoe.convert", "refit"),
     memory=Deferred("moeify.methods.dsmoe.memory", "memory"),
     match_budget=match_budget,
     paper_ratio="model",

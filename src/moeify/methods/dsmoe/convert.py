@@ -49,11 +49,21 @@ def convert(ctx: ConversionContext, cfg: DsmoeConfig) -> Conversion:
 
         details["training"] = continue_training(ctx, cfg, seq_len)
     if cfg.active_ratio is not None:
-        from moeify.methods.dsmoe.budget import match_tau_
-
-        windows = calibration_batches(ctx.calib, ctx.tokenizer, cfg.batch_size, seq_len, ctx.seed)
-        details["matched_tau"] = match_tau_(ctx.model, windows, cfg.active_ratio)
+        details["matched_tau"] = refit(ctx, cfg)
     return Conversion(ctx.model, details)
+
+
+def refit(ctx: ConversionContext, cfg: DsmoeConfig) -> dict[str, Any] | None:
+    """With ``active_ratio``, the tau of every layer at which the model's APR on training-text windows is the
+    target (``budget.match_tau_``): after the training, and again after a recovery, whose weight updates move
+    the gates' scores; None without it (the trained tau is the paper's and stays)."""
+    if cfg.active_ratio is None:
+        return None
+    from moeify.methods.dsmoe.budget import match_tau_
+
+    windows = calibration_batches(ctx.calib, ctx.tokenizer, cfg.batch_size, cfg.effective_seq_len(ctx.model.config),
+                                  ctx.seed)
+    return match_tau_(ctx.model, windows, cfg.active_ratio)
 
 
 def analyze(ctx: ConversionContext, cfg: DsmoeConfig, sources: list[TextSource], seq_len: int) -> Analysis:

@@ -34,6 +34,7 @@ TEAL = Method(
     summary="baseline: magnitude thresholds on every projection's inputs, calibrated to a target sparsity",
     config_cls=TealConfig,
     convert=Deferred("moeify.methods.teal.convert", "convert"),
+    refit=Deferred("moeify.methods.teal.convert", "refit"),
     memory=Deferred("moeify.methods.teal.memory", "memory"),
     match_budget=match_budget,
     inference_copy=False,

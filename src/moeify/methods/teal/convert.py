@@ -4,6 +4,7 @@ inputs at the target sparsity (see the package docstring)."""
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,12 +46,15 @@ def convert(ctx: ConversionContext, cfg: TealConfig) -> Conversion:
     thresholds: list[dict[str, float]] = []
     steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)
     for step in tqdm(steps, total=adapter.num_layers, desc="teal: thresholds", disable=not ctx.progress):
-        # every projection of the decoder layer: attention (q/k/v or fused qkv, o) and MLP (gate/up, down)
-        linears = {name: m for name, m in step.layer.named_modules() if type(m) is nn.Linear}
+        # every projection of the decoder layer: attention (q/k/v or fused qkv, o) and MLP (gate/up, down);
+        # a model thresholded already (refit) is measured with its layer's own thresholds off, as at conversion
+        linears = {name: m for name, m in step.layer.named_modules() if type(m) in (nn.Linear, ThresholdedLinear)}
         seen: dict[str, list[Tensor]] = {name: [] for name in linears}
         with ExitStack() as hooks:
             for name, m in linears.items():
                 hooks.enter_context(capture_inputs(m, seen[name].append))
+                if isinstance(m, ThresholdedLinear):
+                    m.threshold.zero_()  # |x| > 0 keeps every input that counts
             step.run()
         layer_thresholds = {}
         by_input: dict[tuple[int, ...], float] = {}  # q/k/v (and gate/up) read the same tensor: one quantile
@@ -60,9 +64,19 @@ def convert(ctx: ConversionContext, cfg: TealConfig) -> Conversion:
             if key not in by_input:
                 by_input[key] = magnitude_threshold(inputs, cfg.sparsity)
             t = by_input[key]
-            _replace(step.layer, name, thresholded(linear, cfg.sparsity, t))
+            if isinstance(linear, ThresholdedLinear):
+                linear.threshold.fill_(t)
+            else:
+                _replace(step.layer, name, thresholded(linear, cfg.sparsity, t))
             layer_thresholds[name] = round(t, 6)
         thresholds.append(layer_thresholds)
     return Conversion(ctx.model, {
         "thresholds": thresholds,
         "calibration": {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}})
+
+
+def refit(ctx: ConversionContext, cfg: TealConfig) -> dict[str, Any]:
+    """The thresholds of a TEAL model whose weights a recovery moved, calibrated again on the conversion's
+    windows: the inputs' magnitudes shift with the weights, so the old cut-offs no longer zero ``sparsity``
+    of them. Returns the new thresholds and the calibration (the record's ``recovery.refit``)."""
+    return convert(ctx, cfg).details
