@@ -17,6 +17,9 @@ Choices:
   and that cascades through the layers, so the perplexity of a TEAL model moves by a few percent under
   perturbations of its inputs far below bfloat16's rounding (``benchmarks/bench_precision_floor.py``:
   on SmolLM2 even at 16 float32 ulps). Its bfloat16 and float32 runs differ by that much.
+- A recovery (``recover_tokens``) trains the weights the thresholds were calibrated on: the inputs' magnitudes
+  move, and with them the share each fixed cut-off keeps. The thresholds are therefore calibrated again on the
+  conversion's windows after it (``refit``), so the recovered model holds the sparsity it was converted at.
 - The inference path is a masked dense product (``runtime.sparse_inputs``): PyTorch has no kernel that
   skips the zeroed columns, so a TEAL model runs at dense speed here; its quality is what it is compared
   on. Standard MoE export formats do not apply (it has no experts).
