@@ -4,24 +4,24 @@
 The run: ``moeify compare MODEL --active 0.5 --recover-tokens 50000,100000,200000`` with the calibration and
 recovery text WikiText-2 valid and the evaluation text bench_real's (the first 100,000 characters of
 WikiText-2 raw test, 2048-token windows), the methods' own training at a CPU budget (``METHOD_OPTIONS``)
-and the recovery at moeify's defaults (the LM loss) but for activation checkpointing (``RECOVERY``). Each
-method's record gives its perplexity before the recovery and after each budget, its APR measured on the
-evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
+and the recovery at moeify's defaults (half distillation, half the LM loss) but for activation checkpointing
+(``RECOVERY``). Each method's record gives its perplexity before the recovery and after each budget, its APR
+measured on the evaluation tokens, the native speed-up of convert's speed pass and the recovery's time.
 ``--markdown`` prints the table of what the results file holds, each speed-up from a quiet ``moeify bench`` of
 the row's folder where ``--bench`` wrote one (a speed pass inside a long run on this CPU is easily disturbed);
 the curve of the rows is drawn into ``docs/assets/``.
 ``--methods`` runs part of the methods (the same command and settings, the others' rows kept): the run folders
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
-each row saying its moeify version. ``--loss kd`` runs the same comparison for CMoE, ToMoE and static pruning
-with distillation in place of the LM loss (``recover_lm_share=0``), ``--loss mix`` CMoE and static pruning with
-half of each (``recover_lm_share=0.5``), each into its own results file; their ``--markdown`` sets each budget's
-perplexity of every loss side by side, and ``--transfer`` evaluates the dense model and the models of every loss
-on text and zero-shot tasks unlike the training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
+each row saying its moeify version. ``--loss lm`` runs the same comparison with the LM loss alone
+(``recover_lm_share=1``), ``--loss kd`` CMoE, ToMoE and static pruning with distillation alone
+(``recover_lm_share=0``), each into its own results file; their ``--markdown`` sets each budget's perplexity of
+every loss side by side, and ``--transfer`` evaluates the dense model and the models of every loss on text and
+zero-shot tasks unlike the training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
-    python benchmarks/compare_recovery.py [--loss lm|kd|mix] [--out DIR] [--resume] [--methods a,b]
-    python benchmarks/compare_recovery.py [--loss lm|kd|mix] --collect [--out DIR]  # rows of a run going or stopped
-    python benchmarks/compare_recovery.py [--loss lm|kd|mix] --bench  # then, on a quiet CPU
-    python benchmarks/compare_recovery.py [--loss lm|kd|mix] --markdown
+    python benchmarks/compare_recovery.py [--loss mix|lm|kd] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--loss mix|lm|kd] --collect [--out DIR]  # rows of a run going or stopped
+    python benchmarks/compare_recovery.py [--loss mix|lm|kd] --bench  # then, on a quiet CPU
+    python benchmarks/compare_recovery.py [--loss mix|lm|kd] --markdown
     python benchmarks/compare_recovery.py --transfer [--markdown]
 """
 
@@ -43,8 +43,7 @@ HERE = Path(__file__).resolve().parent
 EVAL_CHARS = 100_000
 # in the order the run converts and recovers them
 METHODS = ("cmoe", "static_prune", "tomoe", "dsmoe", "more", "teal", "dense2moe", "random_split")
-KD_METHODS = ("cmoe", "tomoe", "static_prune")  # also distilled, for the comparison of the two losses
-MIX_METHODS = ("cmoe", "static_prune")  # also with half of each loss
+KD_METHODS = ("cmoe", "tomoe", "static_prune")  # also distilled alone, for the comparison of the losses
 BUDGETS = (50_000, 100_000, 200_000)
 ACTIVE, APR_TOLERANCE = 0.5, 0.02  # the matched APR, and how far a row's measured APR may be from it
 # the methods' own training at a CPU budget (their defaults are GPU-sized; DSMoE's, 200 steps of 8 x 256 tokens,
@@ -62,28 +61,30 @@ NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resu
 
 @dataclass(frozen=True)
 class Run:
-    """One comparison: its methods, its recovery options beside ``RECOVERY``, where its rows and curve go, and
+    """One comparison: its methods, its recovery options beside ``RECOVERY``, where its rows and curve (the
+    docs' figure, for the table's run) go, and
     where a ``moeify bench`` of a row's folder on a quiet CPU is kept (``--bench``, file METHOD.json):
     where one exists, the table's speed-up is its 8 x 256 prefill, not the run's own speed pass."""
 
     methods: tuple[str, ...]
     recovery: dict[str, str]
     results: Path
-    curve: Path
+    curve: Path | None
     out: Path
     bench: Path
 
 
 RESULTS, MODELS = HERE / "results", HERE / "results" / "models"
 FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/results.md
-RUNS = {"lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recovery.jsonl",
-                  FIGURES / "compare_recovery.png", MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_bench"),
-        "kd": Run(KD_METHODS, {"recover_lm_share": "0"}, RESULTS / "compare_recovery_kd.jsonl",
-                  FIGURES / "compare_recovery_kd.png", MODELS / "compare_apr0.5",
-                  RESULTS / "compare_recovery_kd_bench"),
-        "mix": Run(MIX_METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_recovery_mix.jsonl",
-                   FIGURES / "compare_recovery_mix.png", MODELS / "compare_apr0.5_mix",
-                   RESULTS / "compare_recovery_mix_bench")}
+# each run's recovery loss is its share of the LM loss beside distillation (recover_lm_share); the table is the
+# run at moeify's default share, the others compare the losses on a few methods
+RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_recovery.jsonl",
+                   FIGURES / "compare_recovery.png", MODELS / "compare_apr0.5_mix", RESULTS / "compare_recovery_bench"),
+        "lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recovery_lm.jsonl", None,
+                  MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_lm_bench"),
+        "kd": Run(KD_METHODS, {"recover_lm_share": "0"}, RESULTS / "compare_recovery_kd.jsonl", None,
+                  MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
+DEFAULT_LOSS = "mix"
 LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each"}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
 BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
@@ -164,7 +165,7 @@ def versus() -> str:
     budgets = (0, *BUDGETS)
     lines = ["| method | loss | PPL before | " + " | ".join(f"after {t // 1000}k" for t in BUDGETS) + " |",
              "|---|---|" + "---|" * len(budgets)]
-    for method in RUNS["kd"].methods:
+    for method in KD_METHODS:
         for loss in RUNS:
             if (r := finished.get((loss, method))) or method in RUNS[loss].methods:
                 cells = [f"{ppl:.2f}" for _, ppl in r["curve"]] if r else [NOT_RUN] + ["-"] * (len(budgets) - 1)
@@ -245,10 +246,10 @@ def bench(run: Run, rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", choices=sorted(RUNS), default="lm",
-                        help="lm: every method with the LM loss, the recovery's default (the table); kd: "
-                             f"{', '.join(KD_METHODS)} distilled; mix: {', '.join(MIX_METHODS)} with half of each "
-                             "loss; kd and mix rows are set beside the LM-loss rows")
+    parser.add_argument("--loss", choices=sorted(RUNS), default=DEFAULT_LOSS,
+                        help="mix: every method with half distillation and half the LM loss, the recovery's default "
+                             f"(the table); lm: the LM loss alone; kd: {', '.join(KD_METHODS)} distilled; the lm and "
+                             "kd rows are set beside the default's")
     parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --loss)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
@@ -273,7 +274,7 @@ def main() -> None:
         print(transfer_markdown())
         return
     if args.markdown:
-        print(markdown(run, rows_of(run)) if args.loss == "lm" else versus())
+        print(markdown(run, rows_of(run)) if args.loss == DEFAULT_LOSS else versus())
         return
     if args.bench:
         bench(run, [r for r in rows_of(run) if r["method"] in run.methods])
@@ -285,7 +286,7 @@ def main() -> None:
     rows = merge(rows_of(run), collect(run, out), RUNS[args.loss].methods)
     write_output_file(run.results, "".join(json.dumps(row) + "\n" for row in rows))
     finished = [r for r in rows if "curve" in r]
-    if finished:
+    if finished and run.curve is not None:
         from moeify.report.build import recovery_plot
 
         run.curve.write_bytes(recovery_plot({r["method"]: r["curve"] for r in finished}, finished[0]["dense_ppl"]))

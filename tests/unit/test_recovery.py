@@ -370,6 +370,7 @@ def test_a_bfloat16_conversion_recovers_in_float32_masters_and_stays_bfloat16(ma
     assert max(gaps) < 0.05
 
 
+@pytest.mark.slow
 def test_a_recovery_calibrates_teal_again_in_convert_and_in_recover(tmp_path):
     teal = {"sparsity": 0.5, "calib_samples": 4, "seq_len": 64}
     recovery = {"recover_tokens": 512, "recover_seq_len": 64, "recover_lr": 3e-3}
@@ -384,3 +385,15 @@ def test_a_recovery_calibrates_teal_again_in_convert_and_in_recover(tmp_path):
     cmoe = moeify.convert(method="cmoe", options={"calib_samples": 4, "seq_len": 64, **recovery},
                           measure_speed=False)
     assert "refit" not in cmoe.record["recovery"]  # nothing of CMoE's routing is a calibration of the weights
+
+
+@pytest.mark.slow
+def test_a_recovery_matches_dsmoes_tau_again_where_it_was_matched():
+    options = {"steps": 2, "seq_len": 64, "batch_size": 2, "analyses": False, "recover_tokens": 256,
+               "recover_seq_len": 64}
+    record = moeify.convert(method="dsmoe", options={**options, "active_ratio": 0.6}, measure_speed=False).record
+    refit = record["recovery"]["refit"]
+    assert refit["trained_tau"] == record["details"]["matched_tau"]["tau"]  # the recovery starts from the match
+    assert abs(refit["apr"] - 0.6) <= abs(refit["trained_apr"] - 0.6) and refit["apr"] == pytest.approx(0.6, abs=0.01)
+    trained = moeify.convert(method="dsmoe", options=options, measure_speed=False).record
+    assert "refit" not in trained["recovery"]  # the paper's trained tau stays

@@ -93,8 +93,8 @@ def _markdown_section(name: str) -> str:
 
     if name == RECOVERY:
         lines = ["### Recovery (every method)", "",
-                 ("Training after the conversion for a budget of tokens, by the LM loss (the default) or by "
-                  "distillation from the dense model (`recover_lm_share`): `convert --set recover_tokens=N` or "
+                 ("Training after the conversion for a budget of tokens, by distillation from the dense model, the "
+                  "LM loss, or both (`recover_lm_share`; half of each by default): `convert --set recover_tokens=N` or "
                   "`moeify recover RUN --tokens N`."), "", *_option_table(RecoveryOptions)]
     else:
         method = get_method(name)

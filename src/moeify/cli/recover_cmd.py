@@ -15,11 +15,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "recover", help="train a converted model further for a budget of tokens (LM loss or distillation)",
         description="Recover RUN (a folder moeify convert wrote) by training it on --calib for --tokens training "
-                    "tokens, with the LM loss (the default: it recovered perplexity further than distillation at a "
-                    "matched budget) or by distillation from its base model (the record's model, or --teacher; "
-                    "--set recover_lm_share=0), measure it again against the "
-                    "dense model in the same run, and write the recovered model with its record into --out "
-                    "(atomically; the run's own measurements are kept under pre_recovery). What trains, the loss "
+                    "tokens, by distillation from its base model (the record's model, or --teacher) and the LM "
+                    "loss, half of each by default (--set recover_lm_share=S: 0 distillation alone, 1 the LM loss "
+                    "alone; half of each recovered further than either at a matched budget), measure it again "
+                    "against the dense model in the same run, and write the recovered model with its record into "
+                    "--out (atomically; the run's own measurements are kept under pre_recovery). What trains, the loss "
                     "and the teacher are recover_* options (--set; `moeify methods` lists them, the same as "
                     "convert --set recover_*). Checkpoints go to <out>.work; resume with --set recover_resume=true. "
                     "Data-parallel: torchrun --nproc_per_node N -m moeify recover ...")
