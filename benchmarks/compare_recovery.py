@@ -156,7 +156,7 @@ def speed_cell(run: Run, row: dict[str, Any]) -> str:
     if not row["speedup"]:
         return "-"
     noisy = (row.get("speed_spread") or 0) > NOISY_SPREAD
-    return f"{row['speedup']:.2f}x" + (f" (disturbed: spread {row['speed_spread']:.0%})" if noisy else "")
+    return f"{row['speedup']:.2f}x (run's pass" + (f", disturbed: spread {row['speed_spread']:.0%})" if noisy else ")")
 
 
 def versus() -> str:

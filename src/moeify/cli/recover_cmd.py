@@ -17,12 +17,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Recover RUN (a folder moeify convert wrote) by training it on --calib for --tokens training "
                     "tokens, by distillation from its base model (the record's model, or --teacher) and the LM "
                     "loss, half of each by default (--set recover_lm_share=S: 0 distillation alone, 1 the LM loss "
-                    "alone; half of each recovered further than either at a matched budget), measure it again "
-                    "against the dense model in the same run, and write the recovered model with its record into "
-                    "--out (atomically; the run's own measurements are kept under pre_recovery). What trains, the loss "
-                    "and the teacher are recover_* options (--set; `moeify methods` lists them, the same as "
-                    "convert --set recover_*). Checkpoints go to <out>.work; resume with --set recover_resume=true. "
-                    "Data-parallel: torchrun --nproc_per_node N -m moeify recover ...")
+                    "alone; half of each recovered text like the training text further than either at a matched "
+                    "budget), measure it again against the dense model in the same run, and write the recovered "
+                    "model with its record into --out (atomically; the run's own measurements are kept under "
+                    "pre_recovery). What trains, the loss and the teacher are recover_* options (--set; `moeify "
+                    "methods` lists them, the same as convert --set recover_*). Checkpoints go to <out>.work; "
+                    "resume with --set recover_resume=true. Data-parallel: torchrun --nproc_per_node N -m moeify "
+                    "recover ...")
     parser.add_argument("run_dir", type=Path, metavar="RUN", help="a converted model folder (moeify convert --out)")
     parser.add_argument("--tokens", type=int, required=True, help="training tokens of the recovery (recover_tokens)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (created atomically)")

@@ -6,9 +6,9 @@ model's whole next-token distribution where the LM loss gives one label, so it i
 a compressed model (ToMoE's own loss, the pruning literature's). Measured at a matched budget (CMoE and
 static pruning of SmolLM2 at 200,000 tokens, ``benchmarks/compare_recovery.py``), the LM loss alone
 recovered perplexity on text like the training text further than distillation alone, and distillation
-held up better on other text; half of each did better than either on both, and is the default
-(``recover_lm_share=0.5``); distillation alone is ``recover_lm_share=0``, the LM loss alone (no teacher
-pass) ``1``. The recovery runs after a
+held up better on other text; half of each recovered further than either on text like the training text,
+further than the LM loss alone on other text, and is the default (``recover_lm_share=0.5``); distillation
+alone is ``recover_lm_share=0``, the LM loss alone (no teacher pass) ``1``. The recovery runs after a
 method's own, paper-specified training, with a budget in tokens, so that conversions can be compared at
 equal training compute (``moeify compare --recover-tokens``).
 

@@ -43,10 +43,10 @@ class RecoveryOptions:
                                        "norms train directly", low=0)
     recover_lora_alpha: float = option(32.0, "LoRA alpha (scale alpha / r)", low=0.0, low_open=True)
     recover_lm_share: float = option(0.5, "s: the loss is (1 - s) KL(teacher || student) + s LM (0: distillation "
-                                          "only; 1: the LM loss alone, with no teacher pass); 0.5 recovered "
-                                          "further than either alone for CMoE and static pruning on SmolLM2 at "
-                                          "200,000 tokens, on text like the training text and on other text "
-                                          "(benchmarks/compare_recovery.py --loss lm|kd, --transfer)",
+                                          "only; 1: the LM loss alone, with no teacher pass); 0.5: for CMoE and "
+                                          "static pruning of SmolLM2 at 200,000 tokens, below either alone on text "
+                                          "like the training text, below the LM loss alone on other text, level "
+                                          "with distillation over both (benchmarks/compare_recovery.py)",
                                      low=0.0, high=1.0)
     recover_top_k: int = option(64, "teacher tokens kept per position: the top k plus one bucket for the rest (what "
                                     "a cache holds: no teacher pass, no teacher logits per step); 0: the whole "
