@@ -351,7 +351,8 @@ def test_the_plan_counts_the_recovery_with_its_teacher():
     assert recover_phase["teacher weights"] == recover_phase["weights"] == pytest.approx(6.74e9 * 2, rel=0.01)
     assert recover_phase["gradients"] > 0.9 * 6.5e9 * 4  # every decoder weight trains, float32 gradients
     assert recover_phase["teacher log-probabilities"] > 0
-    lm_alone = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000}).phases["recover"]  # the default
+    assert plan("llama-2-7b", "cmoe", {"recover_tokens": 1000}).phases["recover"] == recover_phase  # the default
+    lm_alone = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_lm_share": 1}).phases["recover"]
     assert "teacher log-probabilities" not in lm_alone and lm_alone["gradients"] == recover_phase["gradients"]
     lora = plan("llama-2-7b", "cmoe", {"recover_tokens": 1000, "recover_lora_rank": 8}).phases["recover"]
     assert lora["gradients"] == 0 and "recover" not in plan("llama-2-7b", "cmoe").phases
