@@ -5,7 +5,7 @@ A conversion at APR 0.5 (``--method``, matched by the method's budget matcher, a
 is made once and kept in ``--models``; each variant (``VARIANTS``: learning rate, what trains, LoRA or the
 weights, whole-vocabulary or top-k distillation, distillation or the LM loss) recovers a fresh copy of it
 on WikiText-2 valid for ``--tokens`` tokens. The choice between variants is made on the next-token loss of
-the last ``HELD_OUT_STEPS`` steps (one pass over the text: each window is unseen when its loss is taken,
+the last ``HELD_OUT_WINDOWS`` windows (one pass over the text: each window is unseen when its loss is taken,
 so this is held-out text that never reaches the table's evaluation), the same quantity whatever the loss
 trained; the perplexity on ``--eval-chars`` characters of WikiText-2 raw test from ``EVAL_START`` (apart
 from the first 100,000 that ``bench_real.py`` and the compare table evaluate on) after each of
@@ -16,8 +16,15 @@ cache (``--models``/teacher_cache), built by the first; the timings were taken w
 threshold (``MALLOC_MMAP_THRESHOLD_=4294967296``: the training loop's fixed 4 MiB one costs a third more time
 per step here, for less resident memory; ``offload/allocator.py``).
 
-    python benchmarks/bench_recovery.py --method cmoe --variants lr1e-4,lr3e-4 [--tokens 51200]
+    python benchmarks/bench_recovery.py --method cmoe --variants top64_lr1e-4,top64_lr3e-4 [--tokens 51200]
     python benchmarks/bench_recovery.py --markdown
+
+The rows at the default loss (steps per token and the schedule) came from:
+
+    python benchmarks/bench_recovery.py --method static_prune --variants mix_b4,mix_b1,mix_b1_linear,\
+        mix_b1_lr6e-4_linear --tokens 200000 --milestones 50000,100000,200000 --eval-chars 50000
+    python benchmarks/bench_recovery.py --method cmoe --variants mix_b4,mix_b1 --tokens 50000 --milestones 50000 \
+        --eval-chars 50000
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ from bench_real import CALIB, EVAL, MODEL, MODELS  # this folder is on sys.path 
 OUT = Path(__file__).resolve().parent / "results" / "bench_recovery.jsonl"
 EVAL_SEQ_LEN = 2048
 EVAL_START = 500_000  # the evaluation slice starts here: apart from bench_real's and compare's first 100,000
-HELD_OUT_STEPS = 6  # the choice's criterion: the mean next-token loss of the last steps' windows, each unseen
+# the choice's criterion: the mean next-token loss of the last windows, each unseen when its loss is taken; the
+# same windows whatever the batch size (the windows' order is seeded), over as many steps as they fill
+HELD_OUT_WINDOWS = 24
 
 # name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given; every
 # variant but the LM one distils)
@@ -49,6 +58,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "top64_mlp_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64,
                          "recover_parts": "routers,experts,shared,norms"},
     "lm_lr3e-4": {"recover_lr": 3e-4, "recover_lm_share": 1.0},
+    # the default loss (half of each) at 200,000 tokens: steps per token and the schedule
+    "mix_b4": {"recover_lr": 3e-4, "recover_batch_size": 4, "recover_recompute": False},
+    "mix_b1": {"recover_lr": 3e-4, "recover_batch_size": 1, "recover_recompute": False},
+    "mix_b4_linear": {"recover_lr": 3e-4, "recover_lr_schedule": "linear", "recover_recompute": False},
+    "mix_b1_linear": {"recover_lr": 3e-4, "recover_batch_size": 1, "recover_lr_schedule": "linear",
+                      "recover_recompute": False},
+    "mix_b1_lr6e-4_linear": {"recover_lr": 6e-4, "recover_batch_size": 1, "recover_lr_schedule": "linear",
+                             "recover_recompute": False},
 }
 
 
@@ -102,7 +119,7 @@ def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eva
                              device=torch.device("cpu"), identity={"model": str(MODEL), "text": source.sha256},
                              work_dir=Path(work), cache_dir=folder.parent / "teacher_cache",
                              milestones=milestones, on_milestone=ppl)
-    held_out = summary["lm"][-HELD_OUT_STEPS:]
+    held_out = summary["lm"][-(HELD_OUT_WINDOWS // options.recover_batch_size):]
     return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before, "curve": summary["curve"],
             "seconds": summary["seconds"], "teacher": summary["teacher"], "trainable_params": summary["trainable_params"],
             "held_out_lm": sum(held_out) / len(held_out), "last_loss": summary["losses"][-1], "losses": summary["losses"],

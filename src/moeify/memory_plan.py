@@ -88,7 +88,7 @@ def recovery_memory(shape: ModelShape, options: RecoveryOptions) -> MethodMemory
     if "shared" in parts and "experts" not in parts:
         per_layer["shared"] = shape.mlp_params
     trainable = 0 if options.recover_lora_rank else sum(per_layer[part] for part in parts)
-    tokens = options.recover_batch_size // options.recover_grad_accum * options.seq_len(shape.config)
+    tokens = options.batch_size // options.recover_grad_accum * options.seq_len(shape.config)
     return MethodMemory(trainable=trainable, train_tokens=tokens, recompute=options.recover_recompute,
                         distillation=options.recover_lm_share < 1)  # the LM loss alone holds no teacher
 

@@ -1,4 +1,5 @@
-"""The shared loop's learning-rate schedule (warm-up, then cosine decay), also across a resume."""
+"""The shared loop's learning-rate schedule (warm-up, then cosine decay), also across a resume; the recovery's
+schedule and steps."""
 
 import math
 
@@ -67,3 +68,17 @@ def test_linear_decay_falls_from_the_initial_rate_towards_zero_and_lora_options_
     assert [lr for step in seen for lr in step] == pytest.approx(expected)
     assert CmoeConfig(finetune_steps=4, lr_schedule="linear").plan(32).schedule == LinearDecay()
     assert CmoeConfig(finetune_steps=4).plan(32).schedule is None  # constant by default
+
+
+def test_the_recovery_schedule_is_constant_by_default_and_linear_on_request(monkeypatch):
+    from moeify.training.loop import LinearDecay, WarmupConstant
+    from moeify.training.recovery_options import RecoveryOptions
+
+    plan = RecoveryOptions(recover_tokens=4096).plan(512, wrap=False)
+    assert plan.schedule is None and (plan.batch_size, plan.steps) == (1, 8)  # one window a step by default
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun, one window for each process
+    assert RecoveryOptions(recover_tokens=4096).plan(512, wrap=False).batch_size == 2
+    assert RecoveryOptions(recover_tokens=4096, recover_batch_size=4).plan(512, wrap=False).batch_size == 4
+    assert RecoveryOptions(recover_tokens=4096, recover_warmup=2).plan(512, wrap=False).schedule == WarmupConstant(2)
+    linear = RecoveryOptions(recover_tokens=4096, recover_warmup=2, recover_lr_schedule="linear")
+    assert linear.plan(512, wrap=False).schedule == LinearDecay(2)

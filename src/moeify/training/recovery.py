@@ -13,10 +13,12 @@ method's own, paper-specified training, with a budget in tokens, so that convers
 equal training compute (``moeify compare --recover-tokens``).
 
 The run: one pass over ``ceil(recover_tokens / seq_len)`` disjoint windows of the training text in a
-seeded order (further passes where the text holds fewer), ``recover_batch_size`` windows per AdamW step,
-a linear warm-up over ``recover_warmup`` steps and then a constant learning rate, so the model after n
-tokens of a longer run is the model a run of n tokens ends with (``recover`` evaluates those points of
-the curve on the way). The loss is (1 - s) KL(teacher || student) + s LM (``losses.distillation_loss``),
+seeded order (further passes where the text holds fewer), ``recover_batch_size`` windows per AdamW step
+(one per process by default: at a budget in tokens, more and smaller steps recovered further), a linear
+warm-up over ``recover_warmup`` steps and then a constant learning rate, so the model after n tokens of a
+longer run is the model a run of n tokens ends with (``recover`` evaluates those points of the curve on
+the way; ``recover_lr_schedule=linear`` decays it to 0 instead, and the curve's earlier points are then
+points of the longer run). The loss is (1 - s) KL(teacher || student) + s LM (``losses.distillation_loss``),
 over the whole vocabulary or the teacher's top-k tokens plus one bucket for the rest; the teacher runs
 alongside or is read from a top-k cache (``teacher.py``). What trains is a choice of parts
 (``parts.py``), their weights directly or through LoRA adapters merged afterwards, so the recovered model

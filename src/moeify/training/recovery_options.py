@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from moeify.options import OptionError, method_config, option, require_at_most, require_multiple
@@ -12,7 +13,7 @@ from moeify.options import OptionError, method_config, option, require_at_most, 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from moeify.training.loop import TrainPlan
+    from moeify.training.loop import LinearDecay, TrainPlan, WarmupConstant
 
 PARTS = ("routers", "experts", "shared", "attention", "norms")
 
@@ -33,8 +34,9 @@ class RecoveryOptions:
 
     recover_tokens: int = option(0, "training tokens of the recovery after the method's own training (0: none)",
                                  low=0)
-    recover_lr: float = option(3e-4, "AdamW learning rate of the trained parts (constant after the warm-up); 3e-4: "
-                                     "below 1e-3 in held-out KL on SmolLM2 (benchmarks/bench_recovery.py)",
+    recover_lr: float = option(3e-4, "AdamW learning rate of the trained parts (after the warm-up, the start of "
+                                     "recover_lr_schedule); 3e-4: below 1e-3 in held-out KL on SmolLM2 "
+                                     "(benchmarks/bench_recovery.py)",
                                low=0.0, low_open=True)
     recover_parts: str = option(",".join(PARTS), f"what trains, comma-separated: {', '.join(PARTS)} (embeddings "
                                                  "and the output head stay frozen)")
@@ -56,9 +58,16 @@ class RecoveryOptions:
                 "work folder and read back (needs recover_top_k > 0); auto: cache where the windows repeat or a "
                 "cache of them exists, else live")
     recover_seq_len: int | None = option(None, "training window (default: min(512, model context))", low=2)
-    recover_batch_size: int = option(4, "windows per optimizer step", low=1)
+    recover_batch_size: int | None = option(
+        None, "windows per optimizer step (default: one per process, so 1 without torchrun): at a budget in tokens, "
+              "more and smaller steps recover further (static pruning of SmolLM2 at 200,000 tokens: 1 below 4, "
+              "benchmarks/bench_recovery.py)", low=1)
     recover_grad_accum: int = option(1, "micro-batches per step (recover_batch_size must be a multiple)", low=1)
-    recover_warmup: int = option(0, "linear warm-up steps before the constant learning rate", low=0)
+    recover_warmup: int = option(0, "linear warm-up steps before the learning rate of recover_lr_schedule", low=0)
+    recover_lr_schedule: Literal["constant", "linear"] = option(
+        "constant", "the learning rate after the warm-up: constant (the model after n tokens of a longer run is a "
+                    "run of n tokens, so one run measures a curve of budgets) or linear (falling to 0 at the "
+                    "last step: a curve's earlier points are not runs of their own budget)")
     recover_weight_decay: float = option(0.0, "AdamW weight decay", low=0.0)
     recover_checkpoint_every: int = option(25, "steps between checkpoints in the work folder (0: at the end only)",
                                            low=0)
@@ -68,7 +77,7 @@ class RecoveryOptions:
                                            "about 1/3 more compute)")
 
     def validate(self) -> None:
-        require_multiple("recover_batch_size", self.recover_batch_size, "recover_grad_accum", self.recover_grad_accum)
+        require_multiple("recover_batch_size", self.batch_size, "recover_grad_accum", self.recover_grad_accum)
         try:
             parse_parts(self.recover_parts)
         except ValueError as error:
@@ -87,20 +96,33 @@ class RecoveryOptions:
         return self.recover_tokens > 0
 
     @property
+    def batch_size(self) -> int:
+        """``recover_batch_size``, or one window for each process that torchrun started."""
+        return self.recover_batch_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
     def parts(self) -> tuple[str, ...]:
         return parse_parts(self.recover_parts)
 
     def seq_len(self, model_config: PreTrainedConfig) -> int:
         return self.recover_seq_len or min(512, model_config.max_position_embeddings)
 
+    def schedule(self) -> LinearDecay | WarmupConstant | None:
+        """The learning-rate schedule of ``recover_warmup`` and ``recover_lr_schedule`` (None: constant)."""
+        from moeify.training.loop import LinearDecay, WarmupConstant
+
+        if self.recover_lr_schedule == "linear":
+            return LinearDecay(self.recover_warmup)
+        return WarmupConstant(self.recover_warmup) if self.recover_warmup else None
+
     def plan(self, seq_len: int, wrap: bool) -> TrainPlan:
-        from moeify.training.loop import TrainPlan, WarmupConstant
+        from moeify.training.loop import TrainPlan
 
         samples = math.ceil(self.recover_tokens / seq_len)
-        return TrainPlan(steps=math.ceil(samples / self.recover_batch_size), batch_size=self.recover_batch_size,
+        return TrainPlan(steps=math.ceil(samples / self.batch_size), batch_size=self.batch_size,
                          seq_len=seq_len, grad_accum=self.recover_grad_accum,
                          checkpoint_every=self.recover_checkpoint_every,
-                         schedule=WarmupConstant(self.recover_warmup) if self.recover_warmup else None,
+                         schedule=self.schedule(),
                          recompute=self.recover_recompute, epoch_samples=samples, wrap=wrap)
 
 
