@@ -14,14 +14,16 @@ the curve of the rows is drawn into ``docs/assets/``.
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
 each row saying its moeify version. ``--loss lm`` runs the same comparison with the LM loss alone
 (``recover_lm_share=1``), ``--loss kd`` CMoE, ToMoE and static pruning with distillation alone
-(``recover_lm_share=0``), each into its own results file; their ``--markdown`` sets each budget's perplexity of
-every loss side by side, and ``--transfer`` evaluates the dense model and the models of every loss on text and
-zero-shot tasks unlike the training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
+(``recover_lm_share=0``) and ``--loss mix_b4`` CMoE and static pruning with half of each, each into its own
+results file, with the settings the comparison of the losses ran with (``LOSS_COMPARISON``); their
+``--markdown`` sets each budget's perplexity of every loss side by side, and ``--transfer`` evaluates the
+dense model and the models of every loss on text and zero-shot tasks unlike the training text
+(``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
-    python benchmarks/compare_recovery.py [--loss mix|lm|kd] [--out DIR] [--resume] [--methods a,b]
-    python benchmarks/compare_recovery.py [--loss mix|lm|kd] --collect [--out DIR]  # rows of a run going or stopped
-    python benchmarks/compare_recovery.py [--loss mix|lm|kd] --bench  # then, on a quiet CPU
-    python benchmarks/compare_recovery.py [--loss mix|lm|kd] --markdown
+    python benchmarks/compare_recovery.py [--loss mix|mix_b4|lm|kd] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--loss ...] --collect [--out DIR]  # rows of a run going or stopped
+    python benchmarks/compare_recovery.py [--loss ...] --bench  # then, on a quiet CPU
+    python benchmarks/compare_recovery.py [--loss ...] --markdown
     python benchmarks/compare_recovery.py --transfer [--markdown]
 """
 
@@ -61,13 +63,14 @@ NOT_RUN = "not run yet"  # a method of a run still going (or stopped, to be resu
 
 @dataclass(frozen=True)
 class Run:
-    """One comparison: its methods, its recovery options beside ``RECOVERY``, where its rows and curve (the
+    """One comparison: its methods, its options beside ``METHOD_OPTIONS`` and ``RECOVERY`` (``--set`` pairs; a
+    method's own, ``METHOD.KEY``, passed where the run has that method), where its rows and curve (the
     docs' figure, for the table's run) go, and
     where a ``moeify bench`` of a row's folder on a quiet CPU is kept (``--bench``, file METHOD.json):
     where one exists, the table's speed-up is its 8 x 256 prefill, not the run's own speed pass."""
 
     methods: tuple[str, ...]
-    recovery: dict[str, str]
+    sets: dict[str, str]
     results: Path
     curve: Path | None
     out: Path
@@ -76,16 +79,23 @@ class Run:
 
 RESULTS, MODELS = HERE / "results", HERE / "results" / "models"
 FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/results.md
+# the comparison of the losses ran with four windows a step and CMoE's (and the random split's) S5A6E32, the
+# recovery's default and the budget matcher's choice then: kept, so that its rows run again as they ran
+LOSS_COMPARISON = {"recover_batch_size": "4", "cmoe.spec": "S5A6E32", "random_split.spec": "S5A6E32"}
 # each run's recovery loss is its share of the LM loss beside distillation (recover_lm_share); the table is the
-# run at moeify's default share, the others compare the losses on a few methods
+# run at moeify's defaults, the others compare the losses on a few methods
 RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_recovery.jsonl",
                    FIGURES / "compare_recovery.png", MODELS / "compare_apr0.5_mix", RESULTS / "compare_recovery_bench"),
-        "lm": Run(METHODS, {"recover_lm_share": "1"}, RESULTS / "compare_recovery_lm.jsonl", None,
+        "mix_b4": Run(("cmoe", "static_prune"), {"recover_lm_share": "0.5", **LOSS_COMPARISON},
+                      RESULTS / "compare_recovery_mix_b4.jsonl", None, MODELS / "compare_apr0.5_mix_b4",
+                      RESULTS / "compare_recovery_mix_b4_bench"),
+        "lm": Run(METHODS, {"recover_lm_share": "1", **LOSS_COMPARISON}, RESULTS / "compare_recovery_lm.jsonl", None,
                   MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_lm_bench"),
-        "kd": Run(KD_METHODS, {"recover_lm_share": "0"}, RESULTS / "compare_recovery_kd.jsonl", None,
-                  MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
+        "kd": Run(KD_METHODS, {"recover_lm_share": "0", **LOSS_COMPARISON}, RESULTS / "compare_recovery_kd.jsonl",
+                  None, MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
 DEFAULT_LOSS = "mix"
-LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each"}
+LOSSES = ("mix_b4", "lm", "kd")  # the runs set side by side by ``--loss kd --markdown`` and ``--transfer``
+LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each", "mix_b4": "half of each"}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
 BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
 
@@ -94,9 +104,8 @@ def command(run: Run, out: Path, extra: list[str]) -> list[str]:
     """The ``moeify compare`` command line of ``run``'s methods."""
     out.parent.mkdir(parents=True, exist_ok=True)
     eval_file = write_eval_prefix(EVAL_CHARS, out.parent)
-    options = {key: value for key, value in METHOD_OPTIONS.items() if key.split(".")[0] in run.methods}
-    sets = [arg for key, value in {**options, **RECOVERY, **run.recovery}.items()
-            for arg in ("--set", f"{key}={value}")]
+    sets = [arg for key, value in {**METHOD_OPTIONS, **RECOVERY, **run.sets}.items()
+            if "." not in key or key.split(".")[0] in run.methods for arg in ("--set", f"{key}={value}")]
     return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(run.methods),
             "--active", str(ACTIVE), "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file),
             "--seq-len", "2048", "--recover-tokens", ",".join(map(str, BUDGETS)), *sets, *extra]
@@ -161,12 +170,12 @@ def speed_cell(run: Run, row: dict[str, Any]) -> str:
 
 def versus() -> str:
     """Each method's perplexity after each budget with each loss it was recovered with."""
-    finished = {(loss, r["method"]): r for loss, run in RUNS.items() for r in rows_of(run) if "curve" in r}
+    finished = {(loss, r["method"]): r for loss in LOSSES for r in rows_of(RUNS[loss]) if "curve" in r}
     budgets = (0, *BUDGETS)
     lines = ["| method | loss | PPL before | " + " | ".join(f"after {t // 1000}k" for t in BUDGETS) + " |",
              "|---|---|" + "---|" * len(budgets)]
     for method in KD_METHODS:
-        for loss in RUNS:
+        for loss in LOSSES:
             if (r := finished.get((loss, method))) or method in RUNS[loss].methods:
                 cells = [f"{ppl:.2f}" for _, ppl in r["curve"]] if r else [NOT_RUN] + ["-"] * (len(budgets) - 1)
                 lines.append(f"| {method} | {LOSS_NAMES[loss]} | " + " | ".join(cells) + " |")
@@ -192,8 +201,8 @@ def transfer() -> None:
     for name, path in TRANSFER_TEXTS.items():
         (prefix := texts / f"{name}_first{EVAL_CHARS}.txt").write_text(path.read_text()[:EVAL_CHARS])
         data += ["--data", str(prefix)]
-    models = [("dense", "-", MODEL)] + [(m, loss, run.out / m) for m in KD_METHODS for loss, run in RUNS.items()
-                                        if (run.out / m / "record.json").is_file()]
+    models = [("dense", "-", MODEL)] + [(m, loss, RUNS[loss].out / m) for m in KD_METHODS for loss in LOSSES
+                                        if (RUNS[loss].out / m / "record.json").is_file()]
     rows = []
     for method, loss, model in models:
         result = texts / f"{loss}_{method}.json"  # kept: a run stopped part way continues where it was
@@ -247,9 +256,10 @@ def bench(run: Run, rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss", choices=sorted(RUNS), default=DEFAULT_LOSS,
-                        help="mix: every method with half distillation and half the LM loss, the recovery's default "
-                             f"(the table); lm: the LM loss alone; kd: {', '.join(KD_METHODS)} distilled; the lm and "
-                             "kd rows are set beside the default's")
+                        help="mix: every method at the recovery's defaults (half distillation, half the LM loss; the "
+                             "table); the comparison of the losses, at its settings (LOSS_COMPARISON): lm, the LM "
+                             f"loss alone; kd: {', '.join(KD_METHODS)} distilled; mix_b4: cmoe and static_prune with "
+                             "half of each")
     parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --loss)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")

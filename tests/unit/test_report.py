@@ -27,6 +27,7 @@ def test_pareto_front_keeps_the_undominated_points():
 def test_cmoe_spec_for_a_budget():
     assert spec_for_share(0.25) == "S1A1E8"
     assert spec_for_share(0.5) == "S2A2E8"
+    assert spec_for_share(1 / 3) == "S2A2E12"  # exact with 12 experts, not the near S5A6E32
     spec = spec_for_share(0.314)
     s, a, e = (int(x) for x in spec[1:].replace("A", " ").replace("E", " ").split())
     assert abs((s + a) / e - 0.314) < 0.01

@@ -83,16 +83,22 @@ class CmoeConfig(CarvingOptions):
     """CMoE's options: the carving options at the paper's defaults."""
 
 
+# expert counts the budget matcher considers: the paper's E = 8 and 16 and the multiples of 4 between and up
+# to 32, so that a share like 1/3 is met exactly by few large experts (S2A2E12: 128-neuron experts on a
+# 1536-wide MLP), which run faster than many small ones at the same share (S5A6E32) for the same quality
+EXPERT_COUNTS = (8, 12, 16, 20, 24, 28, 32)
+
+
 def spec_for_share(mlp_share: float) -> str:
     """The SxAyEz closest to ``mlp_share`` = (S+A)/E, preferring fewer experts, then S = A."""
-    best = min(((s, a, e) for e in (8, 16, 32) for s in range(1, e) for a in range(1, e - s + 1)),
+    best = min(((s, a, e) for e in EXPERT_COUNTS for s in range(1, e) for a in range(1, e - s + 1)),
                key=lambda sae: (round(abs((sae[0] + sae[1]) / sae[2] - mlp_share), 4), sae[2], abs(sae[0] - sae[1])))
     return f"S{best[0]}A{best[1]}E{best[2]}"
 
 
 def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, Any]], str]:
-    """The S/A/E spec (E in 8/16/32, S and A as equal as possible) whose MLP share (S+A)/E is closest to
-    the share that activated-parameter ratio ``apr`` needs."""
+    """The S/A/E spec (E in ``EXPERT_COUNTS``, S and A as equal as possible) whose MLP share (S+A)/E is closest
+    to the share that activated-parameter ratio ``apr`` needs."""
     from moeify.moe.accounting import mlp_share_for_apr
 
     share = mlp_share_for_apr(apr, adapter)
