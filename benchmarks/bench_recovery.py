@@ -47,21 +47,24 @@ EVAL_START = 500_000  # the evaluation slice starts here: apart from bench_real'
 # same windows whatever the batch size (the windows' order is seeded), over as many steps as they fill
 HELD_OUT_WINDOWS = 24
 
+# the loss, learning-rate and parts variants ran with four windows a step, the default then
+B4 = {"recover_batch_size": 4}
 # name -> recovery options beside the budget (``RecoveryOptions``' defaults where not given; every
 # variant but the LM one distils)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "top64_lr1e-4": {"recover_lm_share": 0.0, "recover_lr": 1e-4, "recover_top_k": 64},
-    "top64_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64},
-    "top64_lr1e-3": {"recover_lm_share": 0.0, "recover_lr": 1e-3, "recover_top_k": 64},
-    "full_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4},
-    "top64_lora8_lr1e-3": {"recover_lm_share": 0.0, "recover_lr": 1e-3, "recover_top_k": 64, "recover_lora_rank": 8},
-    "top64_mlp_lr3e-4": {"recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64,
+    "top64_lr1e-4": {**B4, "recover_lm_share": 0.0, "recover_lr": 1e-4, "recover_top_k": 64},
+    "top64_lr3e-4": {**B4, "recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64},
+    "top64_lr1e-3": {**B4, "recover_lm_share": 0.0, "recover_lr": 1e-3, "recover_top_k": 64},
+    "full_lr3e-4": {**B4, "recover_lm_share": 0.0, "recover_lr": 3e-4},
+    "top64_lora8_lr1e-3": {**B4, "recover_lm_share": 0.0, "recover_lr": 1e-3, "recover_top_k": 64,
+                           "recover_lora_rank": 8},
+    "top64_mlp_lr3e-4": {**B4, "recover_lm_share": 0.0, "recover_lr": 3e-4, "recover_top_k": 64,
                          "recover_parts": "routers,experts,shared,norms"},
-    "lm_lr3e-4": {"recover_lr": 3e-4, "recover_lm_share": 1.0},
+    "lm_lr3e-4": {**B4, "recover_lr": 3e-4, "recover_lm_share": 1.0},
     # the default loss (half of each) at 200,000 tokens: steps per token and the schedule
-    "mix_b4": {"recover_lr": 3e-4, "recover_batch_size": 4, "recover_recompute": False},
+    "mix_b4": {**B4, "recover_lr": 3e-4, "recover_recompute": False},
     "mix_b1": {"recover_lr": 3e-4, "recover_batch_size": 1, "recover_recompute": False},
-    "mix_b4_linear": {"recover_lr": 3e-4, "recover_lr_schedule": "linear", "recover_recompute": False},
+    "mix_b4_linear": {**B4, "recover_lr": 3e-4, "recover_lr_schedule": "linear", "recover_recompute": False},
     "mix_b1_linear": {"recover_lr": 3e-4, "recover_batch_size": 1, "recover_lr_schedule": "linear",
                       "recover_recompute": False},
     "mix_b1_lr6e-4_linear": {"recover_lr": 6e-4, "recover_batch_size": 1, "recover_lr_schedule": "linear",
@@ -119,11 +122,11 @@ def run_variant(folder: Path, name: str, tokens: int, milestones: list[int], eva
                              device=torch.device("cpu"), identity={"model": str(MODEL), "text": source.sha256},
                              work_dir=Path(work), cache_dir=folder.parent / "teacher_cache",
                              milestones=milestones, on_milestone=ppl)
-    held_out = summary["lm"][-(HELD_OUT_WINDOWS // options.recover_batch_size):]
-    return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before, "curve": summary["curve"],
-            "seconds": summary["seconds"], "teacher": summary["teacher"], "trainable_params": summary["trainable_params"],
-            "held_out_lm": sum(held_out) / len(held_out), "last_loss": summary["losses"][-1], "losses": summary["losses"],
-            "kl": summary["kl"], "lm": summary["lm"]}
+    held_out = summary["lm"][-(HELD_OUT_WINDOWS // options.batch_size):]
+    kept = ("curve", "seconds", "teacher", "trainable_params", "losses", "kl", "lm")
+    return {"variant": name, "options": VARIANTS[name], "tokens": tokens, "before": before,
+            **{key: summary[key] for key in kept},
+            "held_out_lm": sum(held_out) / len(held_out), "last_loss": summary["losses"][-1]}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
