@@ -89,6 +89,10 @@ ROWS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "cmoe_S2A3E16": ("cmoe", {"spec": "S2A3E16"}),
     "more_apr0.5": ("more", {"apr": 0.5}),
     "random_split_apr0.5": ("random_split", {"apr": 0.5}),
+    # ... at CMoE's budget match S2A2E12, and with the least-squares output refit (not in the papers)
+    "cmoe_S2A2E12": ("cmoe", {"spec": "S2A2E12"}),
+    "cmoe_S2A2E12_refit": ("cmoe", {"spec": "S2A2E12", "refit_down": True}),
+    "static_prune_refit": ("static_prune", {"refit_down": True}),
     # the training methods at a CPU budget, at their papers' learning rates, with their ablations
     "dsmoe": ("dsmoe", {"steps": 20, "lr": 2e-5, "checkpoint_every": 0}),
     # ... with the paper's one learning rate for the gates too

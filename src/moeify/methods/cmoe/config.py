@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from moeify.moe.experts.refit_options import RefitOptions
 from moeify.options import OptionError, Shorthand, method_config, option, require_at_most
 from moeify.training.lora_options import LoraOptions
 
@@ -32,7 +33,7 @@ SPEC = Shorthand("spec", "shorthand for S/A/E, e.g. S1A1E8 (= 25% of the MLP act
 
 
 @dataclass(frozen=True)
-class CarvingOptions(LoraOptions):
+class CarvingOptions(LoraOptions, RefitOptions):
     """The carving of every MLP into shared and routed experts with CMoE's representative-neuron router."""
 
     shorthands: ClassVar[tuple[Shorthand, ...]] = (SPEC,)

@@ -23,6 +23,7 @@ from moeify.moe.experts.partition import (
     even_sizes,
     random_partition,
 )
+from moeify.moe.experts.refit import mean_refit, refit_down_
 from moeify.runtime.moe import MoeMLP
 from moeify.runtime.routers import RepresentativeRouter
 
@@ -96,6 +97,7 @@ def convert(ctx: ConversionContext, cfg: CarvingOptions) -> Conversion:
     generator = torch.Generator().manual_seed(ctx.seed)
     layers: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
+    refits: list[dict[str, float]] = []
     from tqdm.auto import tqdm
 
     steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)
@@ -106,7 +108,10 @@ def convert(ctx: ConversionContext, cfg: CarvingOptions) -> Conversion:
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs])  # X: (q, d)
         mlp = adapter.mlp(step.index)
         carving = carve(atopk_markers(mlp, x, cfg.ka).cpu(), cfg, generator)  # profiling on device, grouping on CPU
-        adapter.replace_mlp_(step.index, build_layer(mlp, carving, cfg).to(x.device))
+        layer = build_layer(mlp, carving, cfg).to(x.device)
+        if cfg.refit_down:
+            refits.append(refit_down_(layer, mlp, x))
+        adapter.replace_mlp_(step.index, layer)
         if cfg.analysis:
             errors.append(routing_errors(mlp, carving.partition, carving.representatives, cfg.top_k,
                                          cfg.router_score, x))
@@ -119,6 +124,8 @@ def convert(ctx: ConversionContext, cfg: CarvingOptions) -> Conversion:
                                                "tokens": int(batches.numel())}, "layers": layers}
     if errors:
         details["analysis"] = routing_summary(errors)
+    if refits:
+        details["refit_down"] = mean_refit(refits)
     model = ctx.model
     if cfg.finetunes:
         from moeify.methods.cmoe.finetune import finetune

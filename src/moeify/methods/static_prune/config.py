@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from moeify.moe.experts.refit_options import RefitOptions
 from moeify.options import method_config, option, require_at_most
 from moeify.training.lora_options import LoraOptions
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @method_config
-class StaticPruneConfig(LoraOptions):
+class StaticPruneConfig(LoraOptions, RefitOptions):
     active_ratio: float = option(0.5, "activated-parameter ratio to keep (APR over attention + MLP projections)",
                                  low=0.0, high=1.0, low_open=True)
     attention: Literal["on", "off"] = option("on", "also prune attention head dimensions (off = MLP channels "

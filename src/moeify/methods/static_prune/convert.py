@@ -5,6 +5,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from moeify.arch import DecoderAdapter
@@ -20,6 +22,7 @@ from moeify.moe.attention.head_dim import head_dim_support, pruned_attention
 from moeify.moe.attention.importance import observe_head_dims, static_head_dims
 from moeify.moe.experts.build import static_layer
 from moeify.moe.experts.importance import channel_importance
+from moeify.moe.experts.refit import mean_refit, refit_down_
 from moeify.options import OptionError
 from moeify.training.lora import lora_finetune
 
@@ -56,6 +59,7 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> Conversion:
     _, seq_len = cfg.calibration_windows(ctx.model.config)
     batches = calibration_batches(ctx.calib, ctx.tokenizer, cfg.calib_samples, seq_len, ctx.seed)
     kept, qk_kept, vo_kept = [], [], []
+    refits: list[dict[str, float]] = []
     steps = stream_layers(ctx.model, adapter, batches, device=ctx.device)
     for step in tqdm(steps, total=adapter.num_layers, desc="static_prune", disable=not ctx.progress):
         i = step.index
@@ -63,7 +67,14 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> Conversion:
         attn = adapter.attention_module(i)
         projections = None if blocker else adapter.attention_projections(i)  # q/k/v/o by role
         squares = MeanSquares(weights.hidden_size, weights.intermediate_size)
-        with (capture_inputs(adapter.mlp_module(i), lambda x: squares.update(x, weights.hidden(x))),
+        inputs: list[Tensor] = []
+
+        def observe(x: Tensor) -> None:
+            squares.update(x, weights.hidden(x))
+            if cfg.refit_down:
+                inputs.append(x.reshape(-1, x.shape[-1]))
+
+        with (capture_inputs(adapter.mlp_module(i), observe),
               nullcontext() if blocker else observe_head_dims(projections, attn.head_dim) as head_squares):
             step.run()
         if blocker:
@@ -78,12 +89,17 @@ def convert(ctx: ConversionContext, cfg: StaticPruneConfig) -> Conversion:
             qk_kept.append(len(qk_index))
             vo_kept.append(len(vo_index))
         keep = channel_importance(weights, squares).argsort(descending=True)[:count]
-        adapter.replace_mlp_(i, static_layer(weights, keep).to(weights.up.device))
+        layer = static_layer(weights, keep).to(weights.up.device)
+        if cfg.refit_down:
+            refits.append(refit_down_(layer, weights, torch.cat(inputs)))
+        adapter.replace_mlp_(i, layer)
         kept.append(count)
     details: dict[str, Any] = {"attention_pruned": blocker is None, "attention_reason": blocker,
                                "kept_channels": kept, "keep_share": keep_share}
     if blocker is None:
         details.update(kept_qk_dims=qk_kept, kept_vo_dims=vo_kept)
+    if refits:
+        details["refit_down"] = mean_refit(refits)
     details["calibration"] = {"samples": cfg.calib_samples, "seq_len": seq_len, "tokens": int(batches.numel())}
     model = ctx.model
     if cfg.finetunes:
