@@ -71,20 +71,21 @@ def refit_down_(layer: MoeMLP, mlp: MlpWeights, x: Tensor, damping: float = 0.01
     y = torch.nn.functional.linear(mlp.hidden(x).float(), mlp.down.float())  # Y without the output bias
     w0 = torch.cat([part.down.weight.float().T for part in parts])  # (kept neurons, d)
     split = int(round(x.shape[0] * (1 - HELD_OUT_SHARE)))
+    seen, held = slice(0, split), slice(split, None)
+    # H^T H and H^T Y of the fitted tokens; those of all tokens add the held-out ones' (one product each)
+    gram, cross = h[seen].T @ h[seen], h[seen].T @ y[seen]
 
-    def fit(rows: slice) -> Tensor:
-        gram = h[rows].T @ h[rows]
+    def fit(gram: Tensor, cross: Tensor) -> Tensor:
         ridge = damping * gram.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny)
         eye = torch.eye(gram.shape[0], device=gram.device)
-        return torch.linalg.solve(gram + ridge * eye, h[rows].T @ y[rows] + ridge * w0)
+        return torch.linalg.solve(gram + ridge * eye, cross + ridge * w0)
 
-    held = slice(split, None)
     report = {"error_before": _relative_error(h[held], w0, y[held]),
-              "error_held_out": _relative_error(h[held], fit(slice(0, split)), y[held])}
+              "error_held_out": _relative_error(h[held], fit(gram, cross), y[held])}
     report["refitted"] = float(report["error_held_out"] < report["error_before"])
     if not report["refitted"]:
         return report
-    w = fit(slice(None))
+    w = fit(gram + h[held].T @ h[held], cross + h[held].T @ y[held])
     start = 0
     for part in parts:
         part.down.weight.copy_(w[start:start + part.width].T.to(part.down.weight.dtype))
