@@ -62,6 +62,17 @@ def test_every_method_plans_its_phases_from_its_options():
     assert plan(None, "cmoe").shape.name == "embedded:stories260K"
 
 
+@pytest.mark.parametrize("method", ["cmoe", "static_prune", "random_split"])
+def test_the_output_refit_is_planned_with_the_calibration_tokens_it_fits(method):
+    """The refit holds every calibration token's routed hidden values: more tokens, more memory."""
+    statistics = {samples: {refit: plan("llama-2-7b", method, {"calib_samples": samples, "refit_down": refit})
+                            .phases["convert"]["layer statistics"] for refit in (False, True)}
+                  for samples in (8, 16)}
+    added = {samples: row[True] - row[False] for samples, row in statistics.items()}
+    routed_hidden = 8 * 4096 * 11008 * 4  # H_m of 8 windows of 4096 tokens in float32
+    assert added[8] > routed_hidden and added[16] > added[8] + routed_hidden
+
+
 def test_sharded_training_splits_the_decoder_layers_training_state_among_the_processes():
     whole = plan("llama-2-7b", "dsmoe", device="cuda").phases["train"]
     sharded = plan("llama-2-7b", "dsmoe", device="cuda", shards=8)

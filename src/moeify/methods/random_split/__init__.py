@@ -24,6 +24,7 @@ RANDOM_SPLIT = Method(
     config_cls=RandomSplitConfig,
     convert=Deferred("moeify.methods.cmoe.convert", "convert"),
     match_budget=match_budget,
+    memory=Deferred("moeify.methods.cmoe.memory", "memory"),  # CMoE's conversion, its partition drawn
     paper_ratio="ffn",
     partitions_mlp=True,
     layer_by_layer=True,

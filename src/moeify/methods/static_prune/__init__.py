@@ -41,6 +41,7 @@ STATIC_PRUNE = Method(
     config_cls=StaticPruneConfig,
     convert=Deferred("moeify.methods.static_prune.convert", "convert"),
     match_budget=match_budget,
+    memory=Deferred("moeify.methods.static_prune.memory", "memory"),
     inference_copy=False,
     layer_by_layer=True,
 )
