@@ -12,18 +12,20 @@ the row's folder where ``--bench`` wrote one (a speed pass inside a long run on 
 the curve of the rows is drawn into ``docs/assets/``.
 ``--methods`` runs part of the methods (the same command and settings, the others' rows kept): the run folders
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
-each row saying its moeify version. ``--loss lm`` runs the same comparison with the LM loss alone
-(``recover_lm_share=1``), ``--loss kd`` CMoE, ToMoE and static pruning with distillation alone
-(``recover_lm_share=0``) and ``--loss mix_b4`` CMoE and static pruning with half of each, each into its own
+each row saying its moeify version. ``--run refit`` runs CMoE and static pruning with the least-squares output
+refit (``refit_down=true``, not in the papers), the rest as the table's run, into its own results file; the
+table's ``--markdown`` adds its finished rows. ``--run lm`` runs the same comparison with the LM loss alone
+(``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and static pruning with distillation alone
+(``recover_lm_share=0``) and ``--run mix_b4`` CMoE and static pruning with half of each, each into its own
 results file, with the settings the comparison of the losses ran with (``LOSS_COMPARISON``); their
 ``--markdown`` sets each budget's perplexity of every loss side by side, and ``--transfer`` evaluates the
 dense model and the models of every loss on text and zero-shot tasks unlike the training text
 (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
-    python benchmarks/compare_recovery.py [--loss mix|mix_b4|lm|kd] [--out DIR] [--resume] [--methods a,b]
-    python benchmarks/compare_recovery.py [--loss ...] --collect [--out DIR]  # rows of a run going or stopped
-    python benchmarks/compare_recovery.py [--loss ...] --bench  # then, on a quiet CPU
-    python benchmarks/compare_recovery.py [--loss ...] --markdown
+    python benchmarks/compare_recovery.py [--run mix|refit|mix_b4|lm|kd] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--run ...] --collect [--out DIR]  # rows of a run going or stopped
+    python benchmarks/compare_recovery.py [--run ...] --bench  # then, on a quiet CPU
+    python benchmarks/compare_recovery.py [--run ...] --markdown
     python benchmarks/compare_recovery.py --transfer [--markdown]
 """
 
@@ -82,10 +84,14 @@ FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/resu
 # the comparison of the losses ran with four windows a step and CMoE's (and the random split's) S5A6E32, the
 # recovery's default and the budget matcher's choice then: kept, so that its rows run again as they ran
 LOSS_COMPARISON = {"recover_batch_size": "4", "cmoe.spec": "S5A6E32", "random_split.spec": "S5A6E32"}
+REFIT_METHODS = ("cmoe", "static_prune")  # the methods that take refit_down, also run with it
 # each run's recovery loss is its share of the LM loss beside distillation (recover_lm_share); the table is the
-# run at moeify's defaults, the others compare the losses on a few methods
+# run at moeify's defaults, "refit" adds rows to it, the others compare the losses on a few methods
 RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_recovery.jsonl",
                    FIGURES / "compare_recovery.png", MODELS / "compare_apr0.5_mix", RESULTS / "compare_recovery_bench"),
+        "refit": Run(REFIT_METHODS, {"recover_lm_share": "0.5", **{f"{m}.refit_down": "true" for m in REFIT_METHODS}},
+                     RESULTS / "compare_recovery_refit.jsonl", None, MODELS / "compare_apr0.5_refit",
+                     RESULTS / "compare_recovery_refit_bench"),
         "mix_b4": Run(("cmoe", "static_prune"), {"recover_lm_share": "0.5", **LOSS_COMPARISON},
                       RESULTS / "compare_recovery_mix_b4.jsonl", None, MODELS / "compare_apr0.5_mix_b4",
                       RESULTS / "compare_recovery_mix_b4_bench"),
@@ -93,8 +99,8 @@ RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_reco
                   MODELS / "compare_apr0.5_lm", RESULTS / "compare_recovery_lm_bench"),
         "kd": Run(KD_METHODS, {"recover_lm_share": "0", **LOSS_COMPARISON}, RESULTS / "compare_recovery_kd.jsonl",
                   None, MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
-DEFAULT_LOSS = "mix"
-LOSSES = ("mix_b4", "lm", "kd")  # the runs set side by side by ``--loss kd --markdown`` and ``--transfer``
+DEFAULT_RUN = "mix"
+LOSSES = ("mix_b4", "lm", "kd")  # the runs set side by side by ``--run kd --markdown`` and ``--transfer``
 LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each", "mix_b4": "half of each"}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
 BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
@@ -138,20 +144,24 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(run: Run, rows: list[dict[str, Any]]) -> str:
-    budgets = [t for t, _ in next((r["curve"] for r in rows if "curve" in r), [])]
+def markdown(rows: list[dict[str, Any]], refit_rows: list[dict[str, Any]]) -> str:
+    """The table: the run's rows and the finished rows of the refit run (named ``METHOD + refit_down``), by
+    perplexity after the largest budget; the methods not run yet, or failed, after them."""
+    finished = [(RUNS[DEFAULT_RUN], r["method"], r) for r in rows if "curve" in r]
+    finished += [(RUNS["refit"], f"{r['method']} + refit_down", r) for r in refit_rows if "curve" in r]
+    budgets = [t for t, _ in finished[0][2]["curve"]] if finished else []
     head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
     lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up (8 x 256) | convert s | recovery s |",
              "|---|---|---|" + "---|" * (len(budgets) - 1) + "---|---|---|---|"]
-    for r in sorted((r for r in rows if "curve" in r), key=lambda r: r["ppl"]):
+    for run, name, r in sorted(finished, key=lambda f: f[2]["ppl"]):
         after = " | ".join(f"{ppl:.2f}" for _, ppl in r["curve"][1:])
         speed = speed_cell(run, r)
         apr = f"{r['apr']:.3f}" + (" (off target)" if abs(r["apr"] - ACTIVE) > APR_TOLERANCE else "")
-        lines.append(f"| {r['method']} | {apr} | {r['ppl_before']:.2f} | {after} | "
+        lines.append(f"| {name} | {apr} | {r['ppl_before']:.2f} | {after} | "
                      f"{r['ppl'] / r['dense_ppl']:.2f} | {speed} | {r['convert_s']:.0f} | {r['recover_s']:.0f} |")
     lines += [f"| {r['method']} | {r['error'] if r['error'] == NOT_RUN else 'failed: ' + r['error']} |"
               for r in rows if "curve" not in r]
-    dense = next((r["dense_ppl"] for r in rows if "curve" in r), None)
+    dense = finished[0][2]["dense_ppl"] if finished else None
     return "\n".join(lines) + ("" if dense is None else f"\n\nDense SmolLM2-135M on the same text: {dense:.2f}.")
 
 
@@ -255,12 +265,13 @@ def bench(run: Run, rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", choices=sorted(RUNS), default=DEFAULT_LOSS,
+    parser.add_argument("--run", choices=sorted(RUNS), default=DEFAULT_RUN,
                         help="mix: every method at the recovery's defaults (half distillation, half the LM loss; the "
-                             "table); the comparison of the losses, at its settings (LOSS_COMPARISON): lm, the LM "
+                             f"table); refit: {', '.join(REFIT_METHODS)} with refit_down=true (rows of the table); "
+                             "the comparison of the losses, at its settings (LOSS_COMPARISON): lm, the LM "
                              f"loss alone; kd: {', '.join(KD_METHODS)} distilled; mix_b4: cmoe and static_prune with "
                              "half of each")
-    parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --loss)")
+    parser.add_argument("--out", type=Path, help="the comparison's folder (default: one per --run)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--collect", action="store_true", help="only write the rows of the run in --out")
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
@@ -271,7 +282,7 @@ def main() -> None:
                              "tasks (with --markdown: print that table)")
     parser.add_argument("--methods", help="comma-separated part of the comparison's methods to run (default: all)")
     args = parser.parse_args()
-    run = RUNS[args.loss]
+    run = RUNS[args.run]
     if args.methods:
         picked = tuple(args.methods.split(","))
         if unknown := [m for m in picked if m not in run.methods]:
@@ -284,7 +295,7 @@ def main() -> None:
         print(transfer_markdown())
         return
     if args.markdown:
-        print(markdown(run, rows_of(run)) if args.loss == DEFAULT_LOSS else versus())
+        print(table(args.run))
         return
     if args.bench:
         bench(run, [r for r in rows_of(run) if r["method"] in run.methods])
@@ -293,14 +304,19 @@ def main() -> None:
         done = subprocess.run(command(run, out, ["--resume"] if args.resume else []), check=False)
         if done.returncode:
             sys.exit(done.returncode)
-    rows = merge(rows_of(run), collect(run, out), RUNS[args.loss].methods)
+    rows = merge(rows_of(run), collect(run, out), RUNS[args.run].methods)
     write_output_file(run.results, "".join(json.dumps(row) + "\n" for row in rows))
     finished = [r for r in rows if "curve" in r]
     if finished and run.curve is not None:
         from moeify.report.build import recovery_plot
 
         run.curve.write_bytes(recovery_plot({r["method"]: r["curve"] for r in finished}, finished[0]["dense_ppl"]))
-    print(markdown(run, rows))
+    print(table(args.run))
+
+
+def table(run_name: str) -> str:
+    """What ``--markdown`` prints for a run: a loss's, the losses side by side; else the table."""
+    return versus() if run_name in LOSSES else markdown(rows_of(RUNS[DEFAULT_RUN]), rows_of(RUNS["refit"]))
 
 
 if __name__ == "__main__":

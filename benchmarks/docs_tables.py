@@ -67,7 +67,7 @@ TABLES = (
     Table("bench_real_summary", "README.md", ("bench_real.py", "--markdown", "--summary")),
     Table("bench_real", "docs/results.md", ("bench_real.py", "--markdown")),
     Table("compare_recovery", "docs/results.md", ("compare_recovery.py", "--markdown")),
-    Table("compare_recovery_losses", "docs/results.md", ("compare_recovery.py", "--loss", "kd", "--markdown")),
+    Table("compare_recovery_losses", "docs/results.md", ("compare_recovery.py", "--run", "kd", "--markdown")),
     Table("compare_recovery_transfer", "docs/results.md", ("compare_recovery.py", "--transfer", "--markdown")),
     Table("bench_recovery", "docs/results.md", ("bench_recovery.py", "--markdown")),
     Table("bench_speed", "docs/results.md", ("bench_speed.py", "--markdown")),
