@@ -3,16 +3,20 @@ the common phases, from the model's shape and the options alone (no torch)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moeify.methods.static_prune.config import StaticPruneConfig
 from moeify.moe.experts.refit_options import refit_bytes
 from moeify.planning import MethodMemory, ModelShape, method_memory
 
 
 def memory(shape: ModelShape, cfg: StaticPruneConfig, nbytes: int) -> MethodMemory:
-    """Per layer: one calibration window's MLP hidden activations in float32 (gate, up, product) for the
-    channels' importance; with ``refit_down`` also the MLP inputs of every calibration token (captured, then
-    concatenated) and the least-squares fit's own."""
-    windows, seq = cfg.calibration_windows(shape.config)
-    q, d, m = windows * seq, shape.hidden, shape.intermediate
-    refit = 2 * q * d * nbytes + refit_bytes(q, d, m) if cfg.refit_down else 0
-    return method_memory(shape, cfg, nbytes, layer_statistics=3 * seq * m * 4 + refit)
+    """The common estimate (one calibration window's MLP hidden activations for the channels' importance); with
+    ``refit_down`` also the MLP inputs of every calibration token (captured, then concatenated) and the
+    least-squares fit's own."""
+    common = method_memory(shape, cfg, nbytes)
+    if not cfg.refit_down:
+        return common
+    q, d = common.calib_tokens, shape.hidden
+    refit = 2 * q * d * nbytes + refit_bytes(q, d, shape.intermediate)
+    return replace(common, layer_statistics=common.layer_statistics + refit)
