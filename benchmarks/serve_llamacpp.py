@@ -5,9 +5,11 @@ Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go th
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
 granitemoe, Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
-experts, so the file holds E copies of their MLPs), each in every ``--quants``; and the CMoE and ToMoE
+experts, so the file holds E copies of their MLPs), each in every ``--quants``; the CMoE and ToMoE
 rows trained further by distillation (``recover_tokens``), as a served model is (the untrained rows route
-by margins that rounding crosses). Per row and quantisation, one JSON line in ``--out`` (with the row's
+by margins that rounding crosses); and the ``_compared`` rows, the folders of ``compare_recovery.py``'s run
+(MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own training and the same 200,000 tokens of
+recovery: that run makes them). Per row and quantisation, one JSON line in ``--out`` (with the row's
 definition, ``conversion``, and its form, ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
@@ -56,10 +58,12 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from results_file import append_row, read_rows  # this folder is on sys.path when run
+from compare_recovery import DEFAULT_RUN, RUNS  # this folder is on sys.path when run
+from results_file import append_row, read_rows
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -68,23 +72,43 @@ ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
 EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
-OUT = Path(__file__).resolve().parent / "results" / "serve_llamacpp.jsonl"
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "serve_llamacpp.jsonl"
 EVAL_CHARS, SEQ_LEN = 100_000, 2048  # bench_real's perplexity protocol
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 8, 32, 64  # serve_vllm's agreement prompts
 SPEED_PROMPT, SPEED_NEW = 512, 128
-# row -> (method, conversion options, `moeify export` options); None: the dense model
-ROWS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]] | None] = {
+
+
+@dataclass(frozen=True)
+class Row:
+    """A conversion llama.cpp runs: made here from the SmolLM2 GGUF with ``options``, or a finished folder of
+    ``compare_recovery.py``'s run (``folder``: converted at APR 0.5 and recovered with 200,000 tokens, the
+    models a user would serve); ``export``: its ``moeify export`` options beyond the format."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    export: tuple[str, ...] = ()
+    folder: Path | None = None
+
+
+COMPARED = RUNS[DEFAULT_RUN].out
+# row -> its conversion; None: the dense model
+ROWS: dict[str, Row | None] = {
     "dense": None,
-    "more": ("more", {}, ()),
-    "tomoe": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}, ()),
-    "cmoe": ("cmoe", {}, ("--approximate",)),
-    "dense2moe": ("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}, ()),
+    "more": Row("more"),
+    "tomoe": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}),
+    "cmoe": Row("cmoe", export=("--approximate",)),
+    "dense2moe": Row("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
     # the default CMoE and ToMoE trained further by distillation (`recover_tokens`), as a served model is:
     # the untrained rows route by margins that rounding crosses
-    "cmoe_recovered": ("cmoe", {"recover_tokens": 100_000, "recover_lm_share": 0.0, "recover_recompute": False},
-                       ("--approximate",)),
-    "tomoe_recovered": ("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0, "recover_tokens": 200_000,
-                                  "recover_lm_share": 0.0, "recover_recompute": False}, ()),
+    "cmoe_recovered": Row("cmoe", {"recover_tokens": 100_000, "recover_lm_share": 0.0, "recover_recompute": False},
+                          ("--approximate",)),
+    "tomoe_recovered": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0,
+                                     "recover_tokens": 200_000, "recover_lm_share": 0.0, "recover_recompute": False}),
+    # the comparison's rows (each method's own training, then the same recovery): what a user would serve;
+    # CMoE's router and ToMoE's per-token attention dimensions (on by default) through ``--approximate``
+    **{f"{method}_compared": Row(method, export=("--approximate",) if method in ("cmoe", "tomoe") else (),
+                                 folder=COMPARED / method) for method in ("more", "tomoe", "cmoe", "dense2moe")},
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 AGREEMENT_QUANTS = ("f32", "f16")
@@ -99,11 +123,16 @@ def moeify_cli(*args: str) -> None:
 
 def native_folder(row: str, work: Path, eval_text: Path) -> Path:
     """The native conversion of ``row`` (made once from the SmolLM2 GGUF)."""
-    method, options, _ = ROWS[row]
+    definition = ROWS[row]
+    if definition.folder is not None:
+        if not (definition.folder / "config.json").is_file():
+            raise SystemExit(f"row {row} runs {definition.folder}, which is not there: "
+                             f"python benchmarks/compare_recovery.py --methods {definition.method} makes it")
+        return definition.folder
     folder = work / row
     if not (folder / "config.json").is_file():
-        sets = [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
-        moeify_cli("convert", str(MODEL), "--method", method, "--out", str(folder), "--calib", str(CALIB),
+        sets = [arg for key, value in definition.options.items() for arg in ("--set", f"{key}={value}")]
+        moeify_cli("convert", str(MODEL), "--method", definition.method, "--out", str(folder), "--calib", str(CALIB),
                    "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
     return folder
 
@@ -137,15 +166,16 @@ def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
 def conversion(row: str) -> dict[str, Any] | None:
     """What ``row`` is (method, conversion options, export options), written with each of its lines so that
     the table takes only the lines of the row's latest definition; None for the dense model."""
-    if ROWS[row] is None:
+    definition = ROWS[row]
+    if definition is None:
         return None
-    method, options, export = ROWS[row]
-    return {"method": method, "options": options, "export": list(export)}
+    made = {"folder": str(definition.folder.relative_to(HERE))} if definition.folder else {"options": definition.options}
+    return {"method": definition.method, **made, "export": list(definition.export)}
 
 
 def export_options(row: str, eval_text: Path) -> tuple[str, ...]:
     """``row``'s ``moeify export`` options beyond the format (an approximation's texts with it)."""
-    extra = ROWS[row][2]
+    extra = ROWS[row].export
     return (*extra, "--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
 
 
@@ -295,7 +325,7 @@ def agreement(row: str, path: Path, work: Path, eval_text: Path, ids: list[list[
     result["routing"] = routing_gaps(model, ids[sequence], expected[sequence], position)
     wider = forced_agreement(expected, own, [forced_logits(model.double(), p, t) for p, t in zip(ids, expected)])
     result["native_float64"] = {key: wider[key] for key in ("argmax_differences", "max_abs_logit_diff")}
-    if ROWS[row] is not None and ROWS[row][2]:  # an approximation: what the file holds is its standard export
+    if ROWS[row] is not None and ROWS[row].export:  # an approximation: what the file holds is its standard export
         result["against_export"] = export_agreement(row, path, work, eval_text, ids, threads, kv_cache)
     return result
 
