@@ -164,12 +164,13 @@ def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
 
 
 def conversion(row: str) -> dict[str, Any] | None:
-    """What ``row`` is (method, conversion options, export options), written with each of its lines so that
+    """What ``row`` is (method, conversion options or folder, export options), written with each of its lines so that
     the table takes only the lines of the row's latest definition; None for the dense model."""
     definition = ROWS[row]
     if definition is None:
         return None
-    made = {"folder": str(definition.folder.relative_to(HERE))} if definition.folder else {"options": definition.options}
+    made = {"options": definition.options} if definition.folder is None else {
+        "folder": str(definition.folder.relative_to(HERE))}
     return {"method": definition.method, **made, "export": list(definition.export)}
 
 
@@ -506,7 +507,8 @@ def main() -> None:
                              "float32 model), llama.cpp's default f16 for the others")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--llama-cpp", type=Path, default=None,
-                        help="a llama.cpp source tree: compare each f32 file with its converter's (convert_hf_to_gguf.py)")
+                        help="a llama.cpp source tree: compare each f32 file with its converter's "
+                             "(convert_hf_to_gguf.py)")
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and stop")
     args = parser.parse_args()
     if args.markdown:
