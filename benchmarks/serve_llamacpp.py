@@ -122,7 +122,7 @@ def moeify_cli(*args: str) -> None:
 
 
 def native_folder(row: str, work: Path, eval_text: Path) -> Path:
-    """The native conversion of ``row`` (made once from the SmolLM2 GGUF)."""
+    """The native conversion of ``row``: made once from the SmolLM2 GGUF, or the finished folder it names."""
     definition = ROWS[row]
     if definition.folder is not None:
         if not (definition.folder / "config.json").is_file():
