@@ -48,8 +48,10 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
                  seed: int, device: str, work_dir: Path | None, cache_dir: Path | None = None,
                  milestones: tuple[int, ...] = (), progress: bool = False,
                  refit: Refit | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """Recover ``model`` from the dense ``teacher`` on ``calib``; the perplexity on ``eval_source`` is measured
-    after each of ``milestones`` tokens below the budget. ``identity`` names the teacher for checkpoints and
+    """Recover ``model`` from the dense ``teacher`` on ``calib``; the perplexity on ``eval_source``, and the APR
+    routed on it, are measured after each of ``milestones`` tokens below the budget (before any ``refit``: a
+    method whose share follows the weights, TEAL's thresholds or DSMoE's gates, drifts from its target until
+    the refit at the end). ``identity`` names the teacher for checkpoints and
     caches; ``refit`` (``method_refit``) calibrates the recovered model's budget again. Returns (the recovered
     model, the record's ``recovery`` block)."""
     require_work_dir_for_resume(options.recover_resume, work_dir)
@@ -57,8 +59,9 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
     student = model  # LoRA adapters, while they train, sit inside this model
 
     def evaluate(_tokens: int) -> dict[str, Any]:
-        ppl = perplexity(student, tokenizer, eval_source, seq_len)
-        return {"ppl": ppl.ppl, "nll": ppl.nll}
+        with tracking_routing(student):
+            ppl = perplexity(student, tokenizer, eval_source, seq_len)
+        return {"ppl": ppl.ppl, "nll": ppl.nll, "apr": activated_parameters(student, measured=True).apr}
 
     start = time.perf_counter()
     model, summary = recover(model, teacher, token_stream(calib, tokenizer), options, seed=seed + SEED_OFFSET,

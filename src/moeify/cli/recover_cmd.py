@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print_table(f"moeify recover {args.run_dir}", summary_rows(result.record))
     for point in result.record["recovery"]["curve"]:
-        print(f"  after {point['tokens']:,} tokens: perplexity {point['ppl']:.3f}")
+        apr = f", APR {point['apr']:.3f}" if "apr" in point else ""  # a point kept by an earlier moeify has none
+        print(f"  after {point['tokens']:,} tokens: perplexity {point['ppl']:.3f}{apr}")
     print(f"wrote {out}/ (model, tokenizer, record.json)")
     return 0
