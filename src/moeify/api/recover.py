@@ -20,14 +20,14 @@ from transformers import PreTrainedModel
 from moeify.api.result import ConversionResult, memory_record, quality_metrics
 from moeify.calibration.corpus import Corpus, read_corpus
 from moeify.calibration.data import EMBEDDED_CALIB, EMBEDDED_EVAL, TextSource, read_text, token_stream
-from moeify.evaluation.perplexity import perplexity
+from moeify.evaluation.perplexity import Perplexity, perplexity
 from moeify.evaluation.record import read_conversion_record
 from moeify.evaluation.speed import SPEED_SHAPE, forward_speed, speed_record
 from moeify.loading import load_config, load_model, working_dtype
 from moeify.memory_plan import check_fits, recovery_memory
 from moeify.methods import get_method
 from moeify.methods.base import ConversionContext, Method
-from moeify.moe.accounting import activated_parameters, paper_ratio, tracking_routing
+from moeify.moe.accounting import ActiveParams, activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
 from moeify.planning import MethodMemory, ModelShape, plan_memory
 from moeify.sources import EMBEDDED_MODEL
@@ -41,6 +41,14 @@ Refit = Callable[[PreTrainedModel], "dict[str, Any] | None"]  # a recovered mode
 def recovery_identity(teacher: str | Path | None) -> dict[str, Any]:
     """What names a recovery's teacher in its checkpoints' fingerprint and its cache's key."""
     return {"teacher": str(teacher or EMBEDDED_MODEL)}
+
+
+def routed_perplexity(model: PreTrainedModel, tokenizer: Any, source: TextSource,
+                      seq_len: int) -> tuple[Perplexity, ActiveParams]:
+    """The perplexity on ``source`` and the activated parameters its tokens were routed to."""
+    with tracking_routing(model):
+        ppl = perplexity(model, tokenizer, source, seq_len)
+    return ppl, activated_parameters(model, measured=True)
 
 
 def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedModel, calib: Corpus,
@@ -59,9 +67,8 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
     student = model  # LoRA adapters, while they train, sit inside this model
 
     def evaluate(_tokens: int) -> dict[str, Any]:
-        with tracking_routing(student):
-            ppl = perplexity(student, tokenizer, eval_source, seq_len)
-        return {"ppl": ppl.ppl, "nll": ppl.nll, "apr": activated_parameters(student, measured=True).apr}
+        ppl, active = routed_perplexity(student, tokenizer, eval_source, seq_len)
+        return {"ppl": ppl.ppl, "nll": ppl.nll, "apr": active.apr}
 
     start = time.perf_counter()
     model, summary = recover(model, teacher, token_stream(calib, tokenizer), options, seed=seed + SEED_OFFSET,
@@ -138,18 +145,14 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     model, tokenizer = load_model(run, device, dtype)
     dense, _ = load_model(teacher, device, next(model.parameters()).dtype)
     dense_quality = perplexity(dense, tokenizer, eval_source, seq_len)
-    with tracking_routing(model):
-        before = perplexity(model, tokenizer, eval_source, seq_len)
-    active_before = activated_parameters(model, measured=True).as_dict()
+    before, active_before = routed_perplexity(model, tokenizer, eval_source, seq_len)
     method = get_method(record.method)
     refit = method_refit(method, _method_config(method, record.config), tokenizer, calib_source,
                          seed=record.config.get("seed", 0), device=device, progress=progress)
     model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity=recovery_identity(teacher),
                                 eval_source=eval_source, seq_len=seq_len, seed=seed, device=device,
                                 work_dir=work_dir, milestones=milestones, progress=progress, refit=refit)
-    with tracking_routing(model):
-        after = perplexity(model, tokenizer, eval_source, seq_len)
-    measured = activated_parameters(model, measured=True)
+    after, measured = routed_perplexity(model, tokenizer, eval_source, seq_len)
     speed = None if not measure_speed else speed_record(
         forward_speed(dense.eval(), *SPEED_SHAPE), forward_speed(model.eval(), *SPEED_SHAPE), *SPEED_SHAPE)
     new = dataclasses.replace(
@@ -157,7 +160,8 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
         paper_ratio=paper_ratio(model, measured, method.paper_ratio),
         data={**record.data, "eval": {"name": eval_source.name, "sha256": eval_source.sha256}},
         speed=speed, memory=memory_record(memory, device), recovery=block,
-        pre_recovery={"ppl": before.ppl, "eval": before.as_dict(), "active": active_before, "metrics": record.metrics})
+        pre_recovery={"ppl": before.ppl, "eval": before.as_dict(), "active": active_before.as_dict(),
+                      "metrics": record.metrics})
     return ConversionResult(model, tokenizer, new.as_dict())
 
 
