@@ -15,65 +15,103 @@
 #   PARTS="cmoe tomoe" bash benchmarks/gpu_check.sh                # some of the conversions only
 #   DEVICE=cpu LARGE=tiny SMALL=tiny TRAIN_STEPS=2 BENCH_ARGS="--prefill 2x32 --decode 2 --prompt-len 16 \
 #     --new-tokens 3 --repeats 1" RESULT=/tmp/dry.json bash benchmarks/gpu_check.sh   # a dry run on a CPU
+#   DEADLINE_S=540 COMPILED_BENCH_ARGS="--prefill 8x256 --decode 1,32" bash benchmarks/gpu_check.sh  # a short lease
+# Order: the conversions with their eager benches, then the compiled benches (compiling takes the longest), then
+# MoRE's conversion; with DEADLINE_S, no step outlives that many seconds from the start (a step cut short is a
+# failed step), so whatever ran is summarised. A conversion or bench whose output is in WORK already is not run
+# again: a second run of the script (other PARTS, a new deadline) continues where the first one stopped.
 set -uo pipefail
 
 OUT=${OUT:-gpu_check}
-WORK="$OUT/work"
+WORK=${WORK:-$OUT/work}
 DEVICE=${DEVICE:-cuda}
 LARGE=${LARGE:-7b}
 SMALL=${SMALL:-1b}
 PARTS=${PARTS:-"cmoe more tomoe dsmoe"}
+COMPILED_PARTS=${COMPILED_PARTS-"cmoe tomoe dsmoe"}  # the conversions benched compiled too
 TRAIN_STEPS=${TRAIN_STEPS:-5}
 BENCH_ARGS=${BENCH_ARGS:-}
+COMPILED_BENCH_ARGS=${COMPILED_BENCH_ARGS:-$BENCH_ARGS}
 STEP_TIMEOUT=${STEP_TIMEOUT:-900}
+DEADLINE_S=${DEADLINE_S:-}
+STARTED=$SECONDS
 RESULT=${RESULT:-benchmarks/results/gpu_check.json}
 CALIB=${CALIB:-../shared/assets/data/wikitext2/valid.txt}
 EVAL=${EVAL:-../shared/assets/data/wikitext2_raw/wiki.test.raw.txt}
 HERE=$(dirname "$0")
-mkdir -p "$WORK"
+mkdir -p "$OUT" "$WORK"
 if [ "$DEVICE" = cuda ]; then
   python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')" || exit 1
 fi
 head -c 100000 "$EVAL" > "$OUT/eval.txt"
 failed=()
 
-step() {  # step NAME COMMAND...: run with the step timeout, its output in $OUT/NAME.log (and on screen)
+step() {  # step NAME COMMAND...: run with the step timeout, its output in $OUT/NAME.log (its last lines on screen)
   local name=$1; shift
-  echo "== $name: $*"
-  if ! timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.log"; then
-    echo "== $name FAILED (or timed out after $STEP_TIMEOUT s): see $OUT/$name.log"
+  local limit=$STEP_TIMEOUT began=$SECONDS
+  if [ -n "$DEADLINE_S" ]; then
+    limit=$(( DEADLINE_S - (SECONDS - STARTED) < limit ? DEADLINE_S - (SECONDS - STARTED) : limit ))
+  fi
+  if [ "$limit" -le 0 ]; then
+    echo "== $name SKIPPED: the deadline of $DEADLINE_S s has passed"
+    failed+=("$name"); return
+  fi
+  echo "== $name (at most $limit s): $*"
+  # into a file, not through a pipe: a process the command leaves behind (torch.compile's workers) would hold a
+  # pipe open past the time limit; --kill-after: a command that ignores the TERM is killed
+  timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local status=$?
+  tr '\r' '\n' < "$OUT/$name.log" | grep -v 'it/s\]\|s/it\]\|^\s*$' | tail -n 20
+  if [ "$status" -ne 0 ]; then
+    echo "== $name FAILED (status $status; 124: timed out after $limit s): see $OUT/$name.log"
     failed+=("$name")
   fi
+  echo "== $name took $(( SECONDS - began )) s"
 }
 
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 
-convert() {  # convert NAME SHAPE METHOD [OPTIONS...]: a bfloat16 conversion on the device, then both benches
+convert() {  # convert NAME SHAPE METHOD [OPTIONS...]: a bfloat16 conversion on the device
   local name=$1 shape=$2 method=$3; shift 3
+  if [ -f "$WORK/$name/record.json" ]; then echo "== $name: converted already ($WORK/$name)"; return; fi
   step "$name" python -m moeify convert "$WORK/dense_$shape" --method "$method" "$@" --device "$DEVICE" \
     --dtype bfloat16 --calib "$CALIB" --eval "$OUT/eval.txt" --seq-len 2048 --out "$WORK/$name" --overwrite
 }
 
-bench() {  # bench NAME: eager and compiled `moeify bench` of a conversion against its dense model
-  local name=$1
+bench() {  # bench NAME MODE: `moeify bench` (eager or compiled) of a conversion against its dense model
+  local name=$1 mode=$2
   [ -f "$WORK/$name/record.json" ] || return 0
-  # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-  step "${name}_bench_eager" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 $BENCH_ARGS \
-    --json "$WORK/${name}_bench_eager.json" --overwrite
-  # shellcheck disable=SC2086
-  step "${name}_bench_compiled" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 --compile \
-    $BENCH_ARGS --json "$WORK/${name}_bench_compiled.json" --overwrite
+  local done_json="$WORK/${name}_bench_$mode.json"  # a bench cut short left its shapes so far, marked partial
+  if [ -f "$done_json" ] && ! grep -q '"partial"' "$done_json"; then
+    echo "== ${name}_bench_$mode: benched already"; return
+  fi
+  if [ "$mode" = eager ]; then
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+    step "${name}_bench_eager" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 $BENCH_ARGS \
+      --json "$WORK/${name}_bench_eager.json" --overwrite
+  else
+    # shellcheck disable=SC2086
+    step "${name}_bench_compiled" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 --compile \
+      $COMPILED_BENCH_ARGS --json "$WORK/${name}_bench_compiled.json" --overwrite
+  fi
 }
 
 for shape in $(printf '%s\n' "$LARGE" "$SMALL" | sort -u); do
   [ -d "$WORK/dense_$shape" ] || step "build_$shape" python "$HERE/gpu_speed.py" build "$shape" "$WORK/dense_$shape"
 done
-if wanted cmoe; then convert cmoe "$LARGE" cmoe --set spec=S1A1E8; bench cmoe; fi
+# the conversions' own speed pass is left out: moeify bench measures more shapes, eager and compiled
+if wanted cmoe; then convert cmoe "$LARGE" cmoe --set spec=S1A1E8 --no-speed; bench cmoe eager; fi
+if wanted tomoe; then
+  convert tomoe "$SMALL" tomoe --set active_ratio=0.5 --set steps="$TRAIN_STEPS" --no-speed; bench tomoe eager
+fi
+if wanted dsmoe; then
+  convert dsmoe "$SMALL" dsmoe --set active_ratio=0.5 --set steps="$TRAIN_STEPS" --no-speed; bench dsmoe eager
+fi
+for name in $COMPILED_PARTS; do if wanted "$name"; then bench "$name" compiled; fi; done
 if wanted more; then convert more "$LARGE" more --no-speed; fi
-if wanted tomoe; then convert tomoe "$SMALL" tomoe --set active_ratio=0.5 --set steps="$TRAIN_STEPS"; bench tomoe; fi
-if wanted dsmoe; then convert dsmoe "$SMALL" dsmoe --set active_ratio=0.5 --set steps="$TRAIN_STEPS"; bench dsmoe; fi
 mkdir -p "$(dirname "$RESULT")"
-step summarize python "$HERE/gpu_speed.py" summarize "$WORK" "$RESULT"
+# the summary runs past the deadline too: it reads what the steps wrote (seconds)
+timeout 120 python "$HERE/gpu_speed.py" summarize "$WORK" "$RESULT" 2>&1 | tee "$OUT/summarize.log" || failed+=(summarize)
 cp "$RESULT" "$OUT/" 2>/dev/null || true
 
 if [ -n "${MODEL:-}" ]; then  # a real checkpoint: bfloat16 quality against float32 on the same GPU

@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "the experts' grouped matmul in bfloat16 only). Compiling takes minutes on a CPU")
     add_device_arguments(parser)
     parser.add_argument("--json", type=Path, default=None,
-                        help="write the results to this JSON file (an existing one only with --overwrite)")
+                        help="write the results to this JSON file (an existing one only with --overwrite); "
+                             "rewritten after each shape, marked \"partial\" until the last is done")
     parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     parser.set_defaults(run=run)
 
@@ -135,8 +136,11 @@ def run(args: argparse.Namespace) -> int:
         prefill = [s for s in prefill if s[1] <= limit]  # the defaults fit the model; asked-for shapes must
         print(f"prefill {', '.join(f'{b}x{t}' for b, t in longer)} left out: longer than the model's {limit} positions")
     dense, _ = moeify.load_model(against, args.device, args.dtype)
+    def keep_partial(rows: dict[str, Any]) -> None:  # the shapes done so far, should the run be cut short
+        write_output_file(args.json, json.dumps({**rows, "partial": True}, indent=2) + "\n")
+
     result = benchmark_pair(dense, moe, prefill, decode, args.prompt_len, args.new_tokens, args.repeats,
-                            compile=args.compile)
+                            compile=args.compile, measured=keep_partial if args.json else None)
     mode = "compiled" if args.compile else "eager"
     print_table(f"moeify bench {args.model} vs {against} ({mode}, {result['device']})", rows(result))
     if (Path(args.model) / RECORD_NAME).is_file():

@@ -5,6 +5,7 @@ of timed repeats after a warm-up with its spread, both models eager or both comp
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,10 +64,13 @@ def _pair(dense: tuple[float, float], moe: tuple[float, float], **shape: int) ->
 
 
 def benchmark_pair(dense: nn.Module, moe: nn.Module, prefill: list[tuple[int, int]], decode_batch_sizes: list[int],
-                   prompt_len: int, new_tokens: int, repeats: int, compile: bool = False) -> dict[str, Any]:
+                   prompt_len: int, new_tokens: int, repeats: int, compile: bool = False,
+                   measured: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Prefill tokens/s per (batch, tokens) shape and decode tokens/s per batch size of both models, each
     shape dense then MoE, the ideal speed-up from multiply-accumulate counts, and the peak memory.
-    ``compile``: both models run through ``torch.compile`` (``compiled_forward``, ``compiled_generation``)."""
+    ``compile``: both models run through ``torch.compile`` (``compiled_forward``, ``compiled_generation``).
+    ``measured`` receives the rows so far after each shape (``{"prefill": [...], "decode": [...]}``), so a
+    run cut short (compiling a large model can outlast a time limit) keeps the shapes it finished."""
     device = next(moe.parameters()).device
     check_shapes(moe, prefill, prompt_len, new_tokens)
     if compile and (dtype := next(moe.parameters()).dtype) not in COMPILED_GROUPED_MM_DTYPES:
@@ -82,17 +86,21 @@ def benchmark_pair(dense: nn.Module, moe: nn.Module, prefill: list[tuple[int, in
         runners = {name: compiled_forward(model) for name, model in models.items()}
         generation = {name: compiled_generation(model) for name, model in models.items()}
         warmup = COMPILED_WARMUP
-    prefill_rows = []
+    prefill_rows: list[dict[str, Any]] = []
+    decode_rows: list[dict[str, Any]] = []
     for batch, tokens in prefill:
         speeds = {name: forward_speed(model, batch, tokens, repeats=repeats, warmup=warmup, runner=runners[name])
                   for name, model in models.items()}
         prefill_rows.append(_pair(speeds["dense"], speeds["moe"], batch_size=batch, seq_len=tokens))
-    decode_rows = []
+        if measured is not None:
+            measured({"prefill": prefill_rows, "decode": decode_rows, "compiled": compile})
     for batch in decode_batch_sizes:
         speeds = {name: decode_speed(model, batch, prompt_len, new_tokens, repeats=max(1, repeats // 2),
                                      warmup=warmup - 1, compiled=generation[name]) for name, model in models.items()}
         decode_rows.append(_pair(speeds["dense"], speeds["moe"], batch_size=batch, prompt_len=prompt_len,
                                  new_tokens=new_tokens))
+        if measured is not None:
+            measured({"prefill": prefill_rows, "decode": decode_rows, "compiled": compile})
     return {"prefill": prefill_rows, "decode": decode_rows,
             "ideal_speedup": macs_per_token(dense, prompt_len) / _moe_macs_per_token(moe, prompt_len),
             "peak_memory": _peak_memory(device), "repeats": repeats, "compiled": compile,
