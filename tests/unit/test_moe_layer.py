@@ -1,9 +1,11 @@
 """The runtime MoE layer: dispatch bookkeeping, real sparse compute, and the all-experts identity."""
 
+import collections
 import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeify.arch.mlp import MlpWeights
 from moeify.moe.experts.build import common_neurons_shared, expert_mlp, moe_from_partition, shared_neuron_experts
@@ -33,6 +35,50 @@ def test_dispatch_sorted_by_expert_with_counts():
     assert d.counts.tolist() == [1, 2, 3, 0]
     assert d.token.tolist() == [0, 1, 2, 0, 1, 2]
     assert d.weight.tolist() == [1.0, 2.0, 5.0, 0.0, 3.0, 4.0]
+
+
+class CountedOperations(TorchDispatchMode):
+    """The operations that compute (views left out) run inside the ``with`` block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operations: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.operations[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shared", [6, 0])
+def test_top1_inference_adds_each_token_s_expert_output_exactly(shared):
+    """One pair per token: the layer's output is the shared part plus the token's weighted expert output, the
+    same sum bit for bit as taking the pairs back to token order first (what top-k > 1 does)."""
+    mlp = random_mlp()
+    layer = layer_for(mlp, shared=shared, experts=4, top_k=1).eval()
+    with torch.no_grad():
+        layer.router.u.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))
+        x = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
+        out = layer(x)
+        routed_output, shared_output = layer._inference_path()
+        d = layer.router(x)
+        y = routed_output(x, d)[torch.argsort(d.slot)]  # each token's own pair, in token order
+        expected = y + shared_output(x) if shared else y
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, layer._per_expert_forward(x, layer.shared(x) if shared else torch.zeros_like(x)))
+
+
+def test_top1_inference_forward_issues_few_operations():
+    """On a GPU each operation is a kernel launch and eager decoding is bound by their number (fixed host cost
+    anywhere): a top-1 layer with a shared part is held to the count of its router, dispatch, grouped
+    matmuls and one in-place add back (the dense MLP it replaces: 5)."""
+    layer = layer_for(random_mlp(), shared=6, experts=4, top_k=1).eval()
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        layer(x)  # builds the packed experts
+        with CountedOperations() as counted:
+            layer(x)
+    assert sum(counted.operations.values()) <= 27, counted.operations
 
 
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True), (True, True)])

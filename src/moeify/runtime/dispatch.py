@@ -11,8 +11,12 @@ from torch import Tensor
 
 
 def expert_counts(expert: Tensor, num_experts: int) -> Tensor:
-    """(num_experts,) pairs per expert: a scatter-add, where ``torch.bincount`` would read the largest id back
-    to the host to size its output (a device sync, and a graph break under ``torch.compile``)."""
+    """(num_experts,) pairs per expert: a scatter-add on an asynchronous device and in a graph, where
+    ``torch.bincount`` would read the largest id back to the host to size its output (a device sync, and a
+    graph break under ``torch.compile``); ``bincount`` on a CPU, where there is nothing to wait for and one
+    operation costs less than three (at a decode step each operation's fixed cost is what counts)."""
+    if expert.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.bincount(expert, minlength=num_experts)
     counts = torch.zeros(num_experts, dtype=torch.long, device=expert.device)
     return counts.scatter_add_(0, expert, torch.ones_like(expert))
 
@@ -41,7 +45,7 @@ class Dispatch:
         k = indices.shape[1]
         flat_expert = indices.reshape(-1)
         expert, slot = torch.sort(flat_expert)
-        return Dispatch(token=slot // k, expert=expert, weight=weights.reshape(-1)[slot],
+        return Dispatch(token=slot // k if k > 1 else slot, expert=expert, weight=weights.reshape(-1)[slot],
                         counts=expert_counts(flat_expert, num_experts), top_k=k, slot=slot)
 
     @staticmethod

@@ -165,6 +165,10 @@ class MoeMLP(nn.Module):
         y = routed_output(x, dispatch)
         if dispatch.slot is None:  # a token-dependent number of experts: add in dispatch order
             return (shared if shared is not None else torch.zeros_like(x)).index_add(0, dispatch.token, y)
+        if dispatch.top_k == 1:  # one pair per token: shared + y exactly, added in place (one operation)
+            if shared is None:
+                return torch.empty_like(x).index_copy_(0, dispatch.token, y)
+            return shared.index_add_(0, dispatch.token, y)
         # pair i holds slot[i]: gathering by the inverse permutation puts them in slot order, as the
         # scatter routed[slot] = y would, in one read of y (a row scatter is the slower copy on a CPU)
         inverse = torch.empty_like(dispatch.slot)

@@ -121,7 +121,7 @@ class RepresentativeRouter(nn.Module):
     def forward(self, x: Tensor) -> Dispatch:
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
         chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # Eq. 32
-        weight = 1.0 + scores.gather(-1, chosen) * self.u[chosen]  # g_i = 1 + s'_i u_i; Eq. 28
+        weight = (scores * self.u).gather(-1, chosen).add_(1.0)  # g_i = 1 + s'_i u_i; Eq. 28
         return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)
 
     @torch.no_grad()
