@@ -84,6 +84,7 @@ TABLES = (
     Table("plan_table_layer_by_layer", "docs/scaling.md", ("moeify", "plan", "--table", "--layer-by-layer")),
     Table("bench_dsmoe_start", "docs/methods/dsmoe.md", ("bench_dsmoe_start.py", "--markdown")),
     Table("bench_more_sweep", "docs/methods/more.md", ("bench_more_sweep.py", "--markdown")),
+    Table("bench_spectral", "docs/methods/more.md", ("bench_spectral.py", "--markdown")),
     *(Table(f"bench_recipes_{name}", f"docs/methods/{name.split('_')[0]}.md", ("bench_recipes.py", "--markdown", name))
       for name in ("cmoe_table1", "dense2moe_table5", "dsmoe_table3", "more_table10", "tomoe_table1")),
     Table("serve_vllm", "docs/serving.md", ("serve_vllm.py", "--markdown")),

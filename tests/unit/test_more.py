@@ -10,7 +10,7 @@ from moeify.methods.more import MoreConfig
 from moeify.methods.more.convert import convert
 from moeify.methods.more.layer_budget import LayerShape, candidate_layers, solve_budget
 from moeify.moe.accounting import activated_parameters, moe_layers
-from moeify.moe.experts.spectral import bound_cluster_sizes, spectral_clusters
+from moeify.moe.experts.spectral import bound_cluster_sizes, spectral_clusters, top_eigenvectors
 from moeify.moe.routing import jsd_to_uniform
 from moeify.options import OptionError, build_config
 from tests.helpers.conversion import clone
@@ -70,6 +70,19 @@ def test_spectral_clustering_recovers_planted_blocks_and_sizes_are_bounded():
                                                                               np.bincount(labels, minlength=3))
     with pytest.raises(ValueError, match="cannot hold 40 vertices in 3 clusters"):
         bound_cluster_sizes(labels, a, 3, min_size=14, max_size=20)
+
+
+@pytest.mark.parametrize("n,r", [(300, 8), (5, 4)])  # Lanczos; the dense solver (ARPACK needs r < n - 1)
+def test_top_eigenvectors_span_the_dense_solver_s_subspace(n, r):
+    rng = np.random.default_rng(1)
+    basis = np.linalg.qr(rng.standard_normal((n, n)))[0]
+    values = np.concatenate([np.linspace(2.0, 1.5, r), rng.uniform(-1, 1, n - r)])  # r largest, apart
+    a = (basis * values) @ basis.T
+    vectors = top_eigenvectors(a.copy(), r, seed=0)
+    dense = np.linalg.eigh(a)[1][:, -r:]
+    assert vectors.shape == (n, r)
+    np.testing.assert_allclose(np.linalg.svd(dense.T @ vectors, compute_uv=False), 1.0, atol=1e-8)
+    np.testing.assert_array_equal(vectors, top_eigenvectors(a.copy(), r, seed=0))  # deterministic
 
 
 def test_jsd_to_uniform():

@@ -41,7 +41,9 @@ class CoActivation:
     The counts accumulate where the activations are (the work device): C grows by an (m, tokens) x
     (tokens, m) product per batch, a GEMM that a GPU runs far faster than the host, and the batch's
     (tokens, m) activations never cross to the host. Only the restriction that MoRE clusters does
-    (``coactivation_among``: the eigendecomposition and k-means run on the host). They accumulate in
+    (``coactivation_among``): its top eigenvectors and k-means run on the host (scipy), the eigenvectors by
+    Lanczos iterations of O(n^2) each rather than an O(n^3) decomposition (their times side by side:
+    ``benchmarks/results/bench_spectral.jsonl``). They accumulate in
     float32, exact integers up to 2^24 tokens (then float64): half the memory of float64 at the same
     values, which matters at m = 11,008 (0.5 GB)."""
 
