@@ -111,7 +111,8 @@ for name in $COMPILED_PARTS; do if wanted "$name"; then bench "$name" compiled; 
 if wanted more; then convert more "$LARGE" more --no-speed; fi
 mkdir -p "$(dirname "$RESULT")"
 # the summary runs past the deadline too: it reads what the steps wrote (seconds)
-timeout 120 python "$HERE/gpu_speed.py" summarize "$WORK" "$RESULT" 2>&1 | tee "$OUT/summarize.log" || failed+=(summarize)
+timeout 120 python "$HERE/gpu_speed.py" summarize "$WORK" "$RESULT" > "$OUT/summarize.log" 2>&1 || failed+=(summarize)
+cat "$OUT/summarize.log"
 cp "$RESULT" "$OUT/" 2>/dev/null || true
 
 if [ -n "${MODEL:-}" ]; then  # a real checkpoint: bfloat16 quality against float32 on the same GPU

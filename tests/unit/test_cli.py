@@ -93,28 +93,6 @@ def test_bench_leaves_out_default_shapes_longer_than_the_model_and_keeps_its_res
     assert [(p["batch_size"], p["seq_len"]) for p in bench["prefill"]] == [(1, 256), (8, 256)]
 
 
-def test_bench_json_keeps_the_shapes_done_when_the_run_is_cut_short(converted, tmp_path, monkeypatch):
-    import moeify.evaluation.bench as bench
-
-    class CutShort(Exception):
-        pass
-
-    def cut(*args, **kwargs):
-        raise CutShort
-    out = tmp_path / "bench.json"
-    flags = ["bench", str(converted), "--prefill", "1x16", "--decode", "1", "--new-tokens", "2", "--repeats", "1",
-             "--json", str(out), "--overwrite"]
-    with monkeypatch.context() as patch:
-        patch.setattr(bench, "decode_speed", cut)
-        with pytest.raises(CutShort):
-            main(flags)
-    partial = json.loads(out.read_text())
-    assert partial["partial"] and [p["seq_len"] for p in partial["prefill"]] == [16] and partial["decode"] == []
-    assert main(flags) == 0
-    done = json.loads(out.read_text())
-    assert "partial" not in done and [d["batch_size"] for d in done["decode"]] == [1]
-
-
 def test_convert_writes_model_and_record(converted):
     record = json.loads((converted / "record.json").read_text())
     assert record["method"] == "cmoe"
