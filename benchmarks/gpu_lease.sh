@@ -7,6 +7,7 @@
 #   head -c 100000 ../shared/assets/data/wikitext2_raw/wiki.test.raw.txt > .gpu/eval.txt
 # then one device call carrying .whl and .gpu, its time limit above END (seconds from the start; default 500):
 #   timeout 560 bash benchmarks/gpu_lease.sh
+# and, at once while the machine is warm, a second call with what the lease has left (END=200, say) to go on.
 # Phases: CMoE of the 7B shape with its eager bench; ToMoE and DSMoE of the 1.1B shape with theirs; CMoE's
 # compiled bench (compiling the 7B shape takes minutes for each shape and model); MoRE's conversion.
 # The folders stay on the machine (WORK), so a second call while it is warm continues where this one stopped.
