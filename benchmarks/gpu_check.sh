@@ -85,15 +85,11 @@ bench() {  # bench NAME MODE: `moeify bench` (eager or compiled) of a conversion
   if [ -f "$done_json" ] && ! grep -q '"partial"' "$done_json"; then
     echo "== ${name}_bench_$mode: benched already"; return
   fi
-  if [ "$mode" = eager ]; then
-    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    step "${name}_bench_eager" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 $BENCH_ARGS \
-      --json "$WORK/${name}_bench_eager.json" --overwrite
-  else
-    # shellcheck disable=SC2086
-    step "${name}_bench_compiled" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 --compile \
-      $COMPILED_BENCH_ARGS --json "$WORK/${name}_bench_compiled.json" --overwrite
-  fi
+  local flags=$BENCH_ARGS
+  [ "$mode" = compiled ] && flags="--compile $COMPILED_BENCH_ARGS"
+  # shellcheck disable=SC2086  # flags is a list of flags
+  step "${name}_bench_$mode" python -m moeify bench "$WORK/$name" --device "$DEVICE" --dtype bfloat16 $flags \
+    --json "$done_json" --overwrite
 }
 
 for shape in $(printf '%s\n' "$LARGE" "$SMALL" | sort -u); do

@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         prefill = [s for s in prefill if s[1] <= limit]  # the defaults fit the model; asked-for shapes must
         print(f"prefill {', '.join(f'{b}x{t}' for b, t in longer)} left out: longer than the model's {limit} positions")
     dense, _ = moeify.load_model(against, args.device, args.dtype)
+
     def keep_partial(rows: dict[str, Any]) -> None:  # the shapes done so far, should the run be cut short
         write_output_file(args.json, json.dumps({**rows, "partial": True}, indent=2) + "\n")
 

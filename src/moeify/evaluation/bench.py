@@ -88,19 +88,22 @@ def benchmark_pair(dense: nn.Module, moe: nn.Module, prefill: list[tuple[int, in
         warmup = COMPILED_WARMUP
     prefill_rows: list[dict[str, Any]] = []
     decode_rows: list[dict[str, Any]] = []
+
+    def shape_done() -> None:  # hands the rows so far to ``measured``
+        if measured is not None:
+            measured({"prefill": prefill_rows, "decode": decode_rows, "compiled": compile})
+
     for batch, tokens in prefill:
         speeds = {name: forward_speed(model, batch, tokens, repeats=repeats, warmup=warmup, runner=runners[name])
                   for name, model in models.items()}
         prefill_rows.append(_pair(speeds["dense"], speeds["moe"], batch_size=batch, seq_len=tokens))
-        if measured is not None:
-            measured({"prefill": prefill_rows, "decode": decode_rows, "compiled": compile})
+        shape_done()
     for batch in decode_batch_sizes:
         speeds = {name: decode_speed(model, batch, prompt_len, new_tokens, repeats=max(1, repeats // 2),
                                      warmup=warmup - 1, compiled=generation[name]) for name, model in models.items()}
         decode_rows.append(_pair(speeds["dense"], speeds["moe"], batch_size=batch, prompt_len=prompt_len,
                                  new_tokens=new_tokens))
-        if measured is not None:
-            measured({"prefill": prefill_rows, "decode": decode_rows, "compiled": compile})
+        shape_done()
     return {"prefill": prefill_rows, "decode": decode_rows,
             "ideal_speedup": macs_per_token(dense, prompt_len) / _moe_macs_per_token(moe, prompt_len),
             "peak_memory": _peak_memory(device), "repeats": repeats, "compiled": compile,
