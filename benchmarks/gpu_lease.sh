@@ -2,14 +2,14 @@
 # gpu_check.sh on a GPU machine lent for a few minutes with no network (../shared/gpu/README.md): the carried
 # wheels installed, then the check in phases by priority under one deadline, each phase's results copied to
 # $OUT as soon as it ends, so a call cut short still returns what was measured. Prepared here, once:
-#   bash ../shared/gpu/wheels.sh     # plus the gguf wheel (`moeify` imports it): pip download gguf into .whl
+#   bash ../shared/gpu/wheels.sh     # plus wheels of gguf (`moeify` imports it) and pytest, pluggy, iniconfig
 #   mkdir -p .gpu && cp ../shared/assets/data/wikitext2/valid.txt .gpu/
 #   head -c 100000 ../shared/assets/data/wikitext2_raw/wiki.test.raw.txt > .gpu/eval.txt
 # then one device call carrying .whl and .gpu, its time limit above END (seconds from the start; default 500):
 #   timeout 560 bash benchmarks/gpu_lease.sh
 # and, at once while the machine is warm, a second call with what the lease has left (END=200, say) to go on.
-# Phases: CMoE of the 7B shape with its eager bench; ToMoE and DSMoE of the 1.1B shape with theirs; CMoE's
-# compiled bench (compiling the 7B shape takes minutes for each shape and model); MoRE's conversion.
+# Phases: CMoE of the 7B shape with its eager bench; CMoE's compiled bench (compiling the 7B shape may take
+# minutes for each shape and model); ToMoE and DSMoE of the 1.1B shape with their eager benches; MoRE's conversion.
 # The folders stay on the machine (WORK), so a second call while it is warm continues where this one stopped.
 set -uo pipefail
 RETURN=${OUT:-/tmp/gpu_lease}
@@ -46,10 +46,14 @@ phase() {  # phase UNTIL VAR=VALUE...: gpu_check.sh with those settings, ending 
   collect
 }
 
-phase $(( END * 45 / 100 )) PARTS=cmoe COMPILED_PARTS=
-phase $(( END * 70 / 100 )) PARTS="tomoe dsmoe" COMPILED_PARTS=
+# the tests that need a CUDA device (seconds; they skip on a CPU)
+timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/test_cmoe.py -k gpu > /tmp/gc/gpu_tests.log 2>&1
+tail -n 3 /tmp/gc/gpu_tests.log
+
+phase $(( END * 40 / 100 )) PARTS=cmoe COMPILED_PARTS=
 # the lines' shapes only; the bench keeps each shape as it finishes (a cut run leaves those marked partial)
-phase $(( END * 95 / 100 )) PARTS=cmoe COMPILED_PARTS=cmoe \
+phase $(( END * 75 / 100 )) PARTS=cmoe COMPILED_PARTS=cmoe \
   COMPILED_BENCH_ARGS="--prefill 8x256 --decode 1,32 --repeats 3"
+phase "$END" PARTS="tomoe dsmoe" COMPILED_PARTS=
 phase "$END" PARTS=more
 echo "#### done at $(( SECONDS - T0 )) s"; ls -la "$RETURN"

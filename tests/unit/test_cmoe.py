@@ -54,6 +54,17 @@ def test_partition_covers_every_neuron_with_sizes_differing_by_one():
     assert set(kmeans.partition.shared.tolist()) == set(rates.topk(22).indices.tolist())  # Eq. 8
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_carve_on_the_gpu_groups_as_on_the_cpu():
+    markers = torch.rand(2000, 344, generator=torch.Generator().manual_seed(0)) < 0.1
+    cfg = build_config(CmoeConfig, {"spec": "S2A2E16"})
+    on_cpu, on_gpu = (carve(markers.to(device), cfg, torch.Generator().manual_seed(0)) for device in ("cpu", "cuda"))
+    assert on_gpu.representatives.device.type == "cpu"
+    assert torch.equal(on_gpu.partition.shared, on_cpu.partition.shared)
+    agree = sum(torch.isin(a, b).sum() for a, b in zip(on_gpu.partition.experts, on_cpu.partition.experts))
+    assert agree >= 0.95 * 344 * 14 / 16  # float sums differ between devices: a tie may fall either way
+
+
 def test_atopk_marks_exactly_ka_neurons_per_token():
     dense = tiny_model("llama")
     mlp = DecoderAdapter(dense).mlp(0)

@@ -49,8 +49,12 @@ class Carving:
 
 
 def carve(markers: Tensor, cfg: CarvingOptions, generator: torch.Generator) -> Carving:
-    """Group neurons into shared and routed experts from their markers (q, d_h) (Eq. 7-14, 24)."""
-    d_h = markers.shape[1]
+    """Group neurons into shared and routed experts from their markers (q, d_h) (Eq. 7-14, 24).
+
+    The rates, the k-means distances and centroids and the representatives are computed where ``markers``
+    are (the work device); only the (d_h, k) distance matrix of each k-means iteration goes to the host, for
+    the exact min-cost-flow assignment. The returned indices are on the host (they are small)."""
+    device, d_h = markers.device, markers.shape[1]
     rates = markers.float().mean(dim=0)  # mu; Eq. 7
     sizes = even_sizes(d_h, cfg.num_experts)
     n_shared, capacities = sum(sizes[:cfg.num_shared]), sizes[cfg.num_shared:]
@@ -58,15 +62,15 @@ def carve(markers: Tensor, cfg: CarvingOptions, generator: torch.Generator) -> C
         order = torch.randperm(d_h, generator=generator)
         shared = order[:n_shared]
         groups = random_partition(order[n_shared:], capacities, generator)
-        routed = torch.cat(groups)
+        routed = torch.cat(groups).to(device)
     else:
         shared = rates.topk(n_shared).indices  # S_Ns; Eq. 8
-        keep = torch.ones(d_h, dtype=torch.bool)
+        keep = torch.ones(d_h, dtype=torch.bool, device=device)
         keep[shared] = False
         routed = keep.nonzero().squeeze(1)
     feats = markers[:, routed].T.float().contiguous()  # c_i, one row per routed neuron: (n_r, q)
     if cfg.partition == "random":
-        labels = torch.cat([torch.full((g.numel(),), p) for p, g in enumerate(groups)])
+        labels = torch.cat([torch.full((g.numel(),), p, device=device) for p, g in enumerate(groups)])
         centroids = torch.stack([feats[labels == p].mean(dim=0) for p in range(len(capacities))])
         iterations = 0
     else:
@@ -76,10 +80,10 @@ def carve(markers: Tensor, cfg: CarvingOptions, generator: torch.Generator) -> C
     for p in range(len(capacities)):
         members = (labels == p).nonzero().squeeze(1)
         closest = (feats[members] - centroids[p]).norm(dim=1).argmin()  # R_p; Eq. 24
-        experts.append(routed[members].sort().values)
+        experts.append(routed[members].sort().values.cpu())
         reps.append(routed[members[closest]])
-    partition = ExpertPartition(shared=shared.sort().values, experts=tuple(experts))
-    return Carving(partition, torch.stack(reps), iterations, rates)
+    partition = ExpertPartition(shared=shared.sort().values.cpu(), experts=tuple(experts))
+    return Carving(partition, torch.stack(reps).cpu(), iterations, rates.cpu())
 
 
 def build_layer(mlp: MlpWeights, carving: Carving, cfg: CarvingOptions) -> MoeMLP:
@@ -107,7 +111,7 @@ def convert(ctx: ConversionContext, cfg: CarvingOptions) -> Conversion:
             step.run()
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs])  # X: (q, d)
         mlp = adapter.mlp(step.index)
-        carving = carve(atopk_markers(mlp, x, cfg.ka).cpu(), cfg, generator)  # profiling on device, grouping on CPU
+        carving = carve(atopk_markers(mlp, x, cfg.ka), cfg, generator)
         layer = build_layer(mlp, carving, cfg).to(x.device)
         if cfg.refit_down:
             refits.append(refit_down_(layer, mlp, x))

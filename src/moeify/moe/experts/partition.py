@@ -60,7 +60,7 @@ def balanced_kmeans(features: Tensor, init_centroids: Tensor, capacities: list[i
     feats = features.float().contiguous()  # (n, q) row-major: the matmuls below stream it once
     sq_norms = feats.pow(2).sum(dim=1, keepdim=True)  # |c_i|^2, reused by every distance evaluation
     centroids = init_centroids.float().clone()
-    sizes = torch.tensor(capacities, dtype=feats.dtype)[:, None]
+    sizes = torch.tensor(capacities, dtype=feats.dtype, device=feats.device)[:, None]
     labels = None
     iterations = 0
     for iterations in range(1, max_iter + 1):
