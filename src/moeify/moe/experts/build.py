@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import nn
 
@@ -9,6 +12,8 @@ from moeify.arch.mlp import MlpWeights
 from moeify.moe.experts.partition import ExpertPartition
 from moeify.runtime.experts import ExpertMLP, HiddenNeurons, SharedNeuronExperts
 from moeify.runtime.moe import MoeMLP
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def _copy(linear: nn.Linear | None, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -27,9 +32,20 @@ def load_neurons_(neurons: HiddenNeurons, mlp: MlpWeights) -> HiddenNeurons:
     return neurons
 
 
+def _uninitialised(build: Callable[[], ModuleT], like: torch.Tensor) -> ModuleT:
+    """``build()`` on the device and in the dtype of ``like``, its parameters left uninitialised: the callers
+    overwrite every one, and a random initialisation on the host then a copy to the device costs about a
+    second a 7B layer."""
+    with torch.device("meta"):
+        module = build()
+    return module.to_empty(device=like.device).to(like.dtype)
+
+
 def expert_mlp(mlp: MlpWeights) -> ExpertMLP:
-    """``mlp`` (usually a neuron subset of a dense MLP, without output bias) as an expert module."""
-    expert = ExpertMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act, mlp.gated, mlp.up_bias is not None)
+    """``mlp`` (usually a neuron subset of a dense MLP, without output bias) as an expert module, on the
+    device and in the dtype of ``mlp``."""
+    expert = _uninitialised(lambda: ExpertMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act, mlp.gated,
+                                              mlp.up_bias is not None), mlp.up)
     load_neurons_(expert.neurons, mlp)
     with torch.no_grad():
         expert.down.weight.copy_(mlp.down)
@@ -40,9 +56,8 @@ def shared_neuron_experts(mlp: MlpWeights, sets: list[torch.Tensor]) -> SharedNe
     """Experts that are overlapping neuron subsets of ``mlp`` (equal sizes, each ascending), stored once:
     the union of ``sets`` and each set's positions in it."""
     union = torch.cat(sets).unique()  # sorted
-    experts = SharedNeuronExperts(mlp.hidden_size, len(union), len(sets), len(sets[0]), mlp.act, mlp.gated,
-                                  mlp.up_bias is not None)
-    experts.to(mlp.up)
+    experts = _uninitialised(lambda: SharedNeuronExperts(mlp.hidden_size, len(union), len(sets), len(sets[0]),
+                                                         mlp.act, mlp.gated, mlp.up_bias is not None), mlp.up)
     part = mlp.select(union)
     load_neurons_(experts.neurons, part)
     with torch.no_grad():
