@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_speed.py build SHAPE OUT    # a random LLaMA-shaped bfloat16 model folder
     python benchmarks/gpu_speed.py summarize WORK OUT.json
+    python benchmarks/gpu_speed.py markdown [OUT.json]   # the docs' tables (default: the committed result)
 
 ``build``: weights from ``torch.manual_seed(0)`` (no download), moeify's embedded tokenizer (its ids are
 below every shape's vocabulary), built on the GPU where there is one. Shapes: ``7b`` (LLaMA-2-7B), ``1b``
@@ -9,7 +10,8 @@ below every shape's vocabulary), built on the GPU where there is one. Shapes: ``
 
 ``summarize``: one JSON file from the run folder WORK: the device, the versions, every conversion's times,
 planned and measured peaks and activated ratio, every bench (eager and compiled), and each line of the
-check with its measured value, its target and whether it holds.
+check with its measured value, its target and whether it holds. ``markdown``: that file as two tables, the
+lines and every bench's shapes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ RUNS = {"cmoe": "CMoE S1A1E8 of the larger shape", "more": "MoRE of the larger s
         "tomoe": "ToMoE at APR 0.5, a few steps, of the smaller shape",
         "dsmoe": "DSMoE at APR 0.5 (tau set after a few steps), of the smaller shape"}
 PLAN_TOLERANCE = 0.25
+RESULT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
 
 
 def build(shape: str, out: Path) -> None:
@@ -114,11 +117,33 @@ def summarize(work: Path, out: Path) -> None:
     print(f"wrote {out}")
 
 
+def markdown(result: Path) -> None:
+    summary = json.loads(result.read_text())
+    print(f"On {summary['device']}, torch {summary['versions'].get('torch')}, bfloat16:\n")
+    print("| line | measured | target | holds |\n|---|---|---|---|")
+    for line in summary["lines"]:
+        value = "not measured" if line["value"] is None else f"{line['value']:.3g}"
+        print(f"| {line['line']} | {value} | {line['target']} | "
+              f"{ {True: 'yes', False: 'no', None: '-'}[line['holds']]} |")
+    print("\n| conversion | mode | shape | dense tokens/s | MoE tokens/s | speed-up |\n|---|---|---|---|---|---|")
+    for name, run in summary["runs"].items():
+        for mode, bench in (run or {}).get("bench", {}).items():
+            for kind, rows in (bench or {}).items() if bench else ():
+                if kind not in ("prefill", "decode"):
+                    continue
+                for r in rows:
+                    shape = f"prefill {r['batch_size']} x {r['seq_len']}" if kind == "prefill" else \
+                        f"decode batch {r['batch_size']}"
+                    print(f"| {name} | {mode} | {shape} | {r['dense']:,.0f} | {r['moe']:,.0f} | {r['speedup']:.2f}x |")
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:] or ["--help"]
     if command == "build" and len(args) == 2:
         build(args[0], Path(args[1]))
     elif command == "summarize" and len(args) == 2:
         summarize(Path(args[0]), Path(args[1]))
+    elif command == "markdown" and len(args) <= 1:
+        markdown(Path(args[0]) if args else RESULT)
     else:
         raise SystemExit(__doc__)

@@ -48,3 +48,21 @@ def test_a_sliding_window_makes_the_layers_arguments_differ():
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
     assert masks[0] is None or masks[1] is None or not torch.equal(masks[0], masks[1])
     assert masks[0] is not masks[1]
+
+
+def test_a_bfloat16_conversion_leaves_no_float32_copy_of_its_experts(make_ctx):
+    """The stream computes a low-precision model's layers in float32; the packed copy of the converted layer's
+    experts that this builds is dropped with the layer's return to bfloat16, not held until the next forward
+    (on a GPU: the whole model's experts twice over in float32 at the evaluation's start)."""
+    from moeify.methods.cmoe import CmoeConfig
+    from moeify.methods.cmoe.convert import convert
+    from moeify.moe.accounting import moe_layers
+    from moeify.options import build_config
+
+    model = tiny_model("llama", vocab_size=512).to(torch.bfloat16)
+    convert(make_ctx(model), build_config(CmoeConfig, {"calib_samples": 2, "seq_len": 32}))
+    layers = moe_layers(model)
+    assert layers and all(layer._packed is None for layer in layers)
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 8)))
+    assert all(layer._packed[1].first.dtype == torch.bfloat16 for layer in layers)  # built again, in bfloat16

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from moeify.arch import DecoderAdapter
 from moeify.arch.head import causal_lm
 from moeify.offload import cast_new_state, layered_of
+from moeify.runtime.moe import drop_inference_copies
 
 
 class _StopForward(Exception):
@@ -176,6 +177,9 @@ class LayerStream:
             if upcast:  # the layer (and what the caller built in it) back in the working dtype
                 _restore(step.layer, originals)
                 cast_new_state(step.layer, dtype, kept)
+                # a float32 packed copy of its experts, built by that run, would stay until the layer's next
+                # forward: twice its experts' weights per layer, the whole model's at the evaluation's start
+                drop_inference_copies(step.layer)
             if layered is None:
                 adapter.layer(index).to(home)
             else:
