@@ -8,8 +8,14 @@ zeroed, scaled to D^-1/2 A D^-1/2. Each row records both times and how far apart
 (1 - the smallest cosine of their principal angles: k-means on the normalised rows sees only the subspace).
 The lines are appended to ``--out``; ``--markdown`` prints the table of every line that file holds.
 
+``--bound`` times the cluster-size bound that follows the clustering
+(``moeify.moe.experts.spectral.bound_cluster_sizes``) in its worst case: every vertex but one per cluster
+starts in one cluster, so nearly all of them move, one at a time (a dense random symmetric affinity); the
+row names the commit it ran at.
+
     python benchmarks/bench_spectral.py [--sizes 1500,3000,6000] [--experts 8]
-    python benchmarks/bench_spectral.py --markdown
+    python benchmarks/bench_spectral.py --bound [--sizes 9632] [--experts 7]
+    python benchmarks/bench_spectral.py --markdown [--bound]
 """
 
 from __future__ import annotations
@@ -57,6 +63,32 @@ def measure(n: int, r: int, tokens: int) -> dict:
             "subspace_gap": float(1 - cosines.min()), "threads": torch.get_num_threads()}
 
 
+def measure_bound(n: int, r: int) -> dict:
+    import subprocess
+
+    import numpy as np
+    import torch
+
+    from moeify.moe.experts.spectral import bound_cluster_sizes
+
+    rng = np.random.default_rng(0)
+    a = rng.random((n, n))
+    a = (a + a.T) / 2
+    labels = np.zeros(n, dtype=int)
+    labels[:r] = np.arange(r)
+    began = time.perf_counter()
+    bound_cluster_sizes(labels, a, r, n // r, -(-n // r))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"bench": "size_bound", "n": n, "r": r, "seconds": round(time.perf_counter() - began, 3),
+            "commit": commit, "threads": torch.get_num_threads()}
+
+
+def markdown_bound(rows: list[dict]) -> str:
+    lines = ["| n | r | moeify commit | seconds | threads |", "|---|---|---|---|---|"]
+    lines += [f"| {r['n']:,} | {r['r']} | {r['commit']} | {r['seconds']:.2f} | {r['threads']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| graph size n | r | dense eigh s | Lanczos s | x faster | subspace gap | threads |",
              "|---|---|---|---|---|---|---|"]
@@ -71,13 +103,16 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8, help="r: clusters, the eigenvectors kept")
     parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens behind the counts")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--bound", action="store_true", help="time the cluster-size bound's worst case")
     parser.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()
+    bench = "size_bound" if args.bound else "spectral_embedding"
     if args.markdown:
-        print(markdown(read_rows(args.out)))
+        rows = [row for row in read_rows(args.out) if row["bench"] == bench]
+        print(markdown_bound(rows) if args.bound else markdown(rows))
         return
     for n in (int(v) for v in args.sizes.split(",")):
-        append_row(args.out, measure(n, args.experts, args.tokens))
+        append_row(args.out, measure_bound(n, args.experts) if args.bound else measure(n, args.experts, args.tokens))
 
 
 if __name__ == "__main__":

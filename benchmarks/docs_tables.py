@@ -80,6 +80,7 @@ TABLES = (
     Table("bench_memory_layer_by_layer", "docs/scaling.md", ("bench_memory.py", "--markdown", "--layer-by-layer")),
     Table("bench_fsdp", "docs/scaling.md", ("bench_fsdp.py", "--markdown")),
     Table("bench_memory", "docs/scaling.md", ("bench_memory.py", "--markdown")),
+    Table("gpu_check", "docs/scaling.md", ("gpu_speed.py", "markdown")),
     Table("plan_table", "docs/scaling.md", ("moeify", "plan", "--table")),
     Table("plan_table_layer_by_layer", "docs/scaling.md", ("moeify", "plan", "--table", "--layer-by-layer")),
     Table("bench_dsmoe_start", "docs/methods/dsmoe.md", ("bench_dsmoe_start.py", "--markdown")),

@@ -52,7 +52,7 @@ tail -n 3 /tmp/gc/gpu_tests.log
 
 phase $(( END * 40 / 100 )) PARTS=cmoe COMPILED_PARTS=
 # the lines' shapes only; the bench keeps each shape as it finishes (a cut run leaves those marked partial)
-phase $(( END * 75 / 100 )) PARTS=cmoe COMPILED_PARTS=cmoe \
+phase $(( END * 90 / 100 )) PARTS=cmoe COMPILED_PARTS=cmoe \
   COMPILED_BENCH_ARGS="--prefill 8x256 --decode 1,32 --repeats 3"
 phase "$END" PARTS="tomoe dsmoe" COMPILED_PARTS=
 phase "$END" PARTS=more

@@ -64,18 +64,20 @@ def bound_cluster_sizes(labels: np.ndarray, affinity: np.ndarray, r: int, min_si
     Oversize: the member with the weakest link (sum of affinities) to its own cluster moves to the
     not-full cluster it is most linked to. Undersize: the vertex, from a cluster that can spare one,
     with the largest gain (link to the small cluster minus link to its own) moves in. Each move
-    strictly reduces the total violation, so the loop ends."""
+    strictly reduces the total violation, so the loop ends. ``affinity`` is symmetric (an undirected graph)."""
     if not (0 < min_size <= max_size and r * min_size <= len(labels) <= r * max_size):
         raise ValueError(f"cluster sizes [{min_size}, {max_size}] cannot hold {len(labels)} vertices in {r} clusters")
     labels = labels.copy()
     a = np.asarray(affinity, dtype=np.float64)
-    link = a @ np.eye(r)[labels]  # link[i, c] = sum of affinities from vertex i to cluster c
+    # link[c, i] = sum of affinities from vertex i to cluster c; a vertex's affinities are read as its row (the
+    # matrix is symmetric), so a move updates two contiguous rows, not two strided columns
+    link = np.eye(r)[labels].T @ a
     sizes = np.bincount(labels, minlength=r)
 
     def move(vertex: int, target: int) -> None:
         source = labels[vertex]
-        link[:, source] -= a[:, vertex]
-        link[:, target] += a[:, vertex]
+        link[source] -= a[vertex]
+        link[target] += a[vertex]
         sizes[source] -= 1
         sizes[target] += 1
         labels[vertex] = target
@@ -83,12 +85,12 @@ def bound_cluster_sizes(labels: np.ndarray, affinity: np.ndarray, r: int, min_si
     while sizes.max() > max_size:
         big = int(np.argmax(sizes))
         members = np.flatnonzero(labels == big)
-        vertex = int(members[np.argmin(link[members, big])])
+        vertex = int(members[np.argmin(link[big, members])])
         room = np.flatnonzero(sizes < max_size)
-        move(vertex, int(room[np.argmax(link[vertex, room])]))
+        move(vertex, int(room[np.argmax(link[room, vertex])]))
     while sizes.min() < min_size:
         small = int(np.argmin(sizes))
         donors = np.flatnonzero(sizes[labels] > min_size)
-        gain = link[donors, small] - link[donors, labels[donors]]
+        gain = link[small, donors] - link[labels[donors], donors]
         move(int(donors[np.argmax(gain)]), small)
     return labels
