@@ -86,6 +86,7 @@ TABLES = (
     Table("bench_dsmoe_start", "docs/methods/dsmoe.md", ("bench_dsmoe_start.py", "--markdown")),
     Table("bench_more_sweep", "docs/methods/more.md", ("bench_more_sweep.py", "--markdown")),
     Table("bench_spectral", "docs/methods/more.md", ("bench_spectral.py", "--markdown")),
+    Table("bench_spectral_bound", "docs/methods/more.md", ("bench_spectral.py", "--bound", "--markdown")),
     *(Table(f"bench_recipes_{name}", f"docs/methods/{name.split('_')[0]}.md", ("bench_recipes.py", "--markdown", name))
       for name in ("cmoe_table1", "dense2moe_table5", "dsmoe_table3", "more_table10", "tomoe_table1")),
     Table("serve_vllm", "docs/serving.md", ("serve_vllm.py", "--markdown")),
