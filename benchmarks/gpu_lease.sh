@@ -47,7 +47,8 @@ phase() {  # phase UNTIL VAR=VALUE...: gpu_check.sh with those settings, ending 
 }
 
 # the tests that need a CUDA device (seconds; they skip on a CPU)
-timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/test_cmoe.py -k gpu > /tmp/gc/gpu_tests.log 2>&1
+timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/test_cmoe.py -k cuda \
+  > /tmp/gc/gpu_tests.log 2>&1
 tail -n 3 /tmp/gc/gpu_tests.log
 
 phase $(( END * 40 / 100 )) PARTS=cmoe COMPILED_PARTS=
