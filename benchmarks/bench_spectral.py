@@ -78,9 +78,10 @@ def measure_bound(n: int, r: int) -> dict:
     labels[:r] = np.arange(r)
     began = time.perf_counter()
     bound_cluster_sizes(labels, a, r, n // r, -(-n // r))
+    seconds = time.perf_counter() - began
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"bench": "size_bound", "n": n, "r": r, "seconds": round(time.perf_counter() - began, 3),
-            "commit": commit, "threads": torch.get_num_threads()}
+    return {"bench": "size_bound", "n": n, "r": r, "seconds": round(seconds, 3), "commit": commit,
+            "threads": torch.get_num_threads()}
 
 
 def markdown_bound(rows: list[dict]) -> str:

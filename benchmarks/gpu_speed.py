@@ -126,15 +126,13 @@ def markdown(result: Path) -> None:
         print(f"| {line['line']} | {value} | {line['target']} | "
               f"{ {True: 'yes', False: 'no', None: '-'}[line['holds']]} |")
     print("\n| conversion | mode | shape | dense tokens/s | MoE tokens/s | speed-up |\n|---|---|---|---|---|---|")
-    for name, run in summary["runs"].items():
-        for mode, bench in (run or {}).get("bench", {}).items():
-            for kind, rows in (bench or {}).items() if bench else ():
-                if kind not in ("prefill", "decode"):
-                    continue
-                for r in rows:
-                    shape = f"prefill {r['batch_size']} x {r['seq_len']}" if kind == "prefill" else \
-                        f"decode batch {r['batch_size']}"
-                    print(f"| {name} | {mode} | {shape} | {r['dense']:,.0f} | {r['moe']:,.0f} | {r['speedup']:.2f}x |")
+    benches = [(name, mode, bench) for name, run in summary["runs"].items() if run
+               for mode, bench in run["bench"].items() if bench]
+    for name, mode, bench in benches:
+        rows = [(f"prefill {r['batch_size']} x {r['seq_len']}", r) for r in bench["prefill"]] + \
+            [(f"decode batch {r['batch_size']}", r) for r in bench["decode"]]
+        for shape, r in rows:
+            print(f"| {name} | {mode} | {shape} | {r['dense']:,.0f} | {r['moe']:,.0f} | {r['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

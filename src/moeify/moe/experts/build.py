@@ -34,8 +34,8 @@ def load_neurons_(neurons: HiddenNeurons, mlp: MlpWeights) -> HiddenNeurons:
 
 def _uninitialised(build: Callable[[], ModuleT], like: torch.Tensor) -> ModuleT:
     """``build()`` on the device and in the dtype of ``like``, its parameters left uninitialised: the callers
-    overwrite every one, and a random initialisation on the host then a copy to the device costs about a
-    second a 7B layer."""
+    overwrite every one, so a random initialisation (on the host, then copied to the device) would be work
+    thrown away, the slowest part of building a large layer."""
     with torch.device("meta"):
         module = build()
     return module.to_empty(device=like.device).to(like.dtype)
