@@ -165,6 +165,7 @@ class MethodMemory:
     extra_train_activations: int = 0  # bytes per token and layer beyond a plain decoder layer's
     distillation: bool = False  # the loss is a KL against a teacher's log-probabilities (``training.losses``)
     frozen_in_float32: bool = False  # a low-precision model's frozen weights are held in float32 while training
+    packed_share: float = 1.0  # the inference copy of the experts (``runtime.packed``) in dense MLPs' parameters
 
 
 @dataclass(frozen=True)
@@ -273,8 +274,8 @@ def plan_memory(shape: ModelShape, method: MethodMemory, dtype: str | torch.dtyp
     if recovery is not None and recovery.train_tokens:
         # the dense teacher beside the student (reloaded, not memory-mapped: the student's pages are its own)
         phases["recover"] = {**_train_phase(shape, recovery, b, written, mapped), "teacher weights": weights}
-    phases["evaluate MoE"] = {**evaluation, "converted weights": written,
-                              "packed experts": shape.mlp_params * b if inference_copy else 0}
+    packed = round(shape.mlp_params * b * method.packed_share) if inference_copy else 0
+    phases["evaluate MoE"] = {**evaluation, "converted weights": written, "packed experts": packed}
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
             "training tokens per micro-batch x layers": method.train_tokens * shape.layers}
     return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0)
@@ -320,8 +321,8 @@ def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: str, ev
         phases["convert"] = {**resident,
                              "calibration hidden states": 2 * method.calib_tokens * shape.hidden * CALIB_BYTES,
                              "layer statistics": method.layer_statistics}
-    phases["evaluate MoE"] = {**evaluation, "packed experts": shape.mlp_params // shape.layers * b
-                              if inference_copy else 0}
+    packed = round(shape.mlp_params // shape.layers * b * method.packed_share) if inference_copy else 0
+    phases["evaluate MoE"] = {**evaluation, "packed experts": packed}
     work = {"calibration tokens x layers": method.calib_tokens * shape.layers,
             "training tokens per micro-batch x layers": 0}
     return MemoryPlan(shape, dtype, phases, work, PROCESS_BYTES if on_cpu else 0, layer_by_layer=True)
@@ -329,20 +330,22 @@ def _plan_layer_by_layer(shape: ModelShape, method: MethodMemory, dtype: str, ev
 
 def method_memory(shape: ModelShape, cfg: MethodOptions, nbytes: int, *, layer_statistics: int | None = None,
                   trainable: int | None = None, extra_train_activations: int = 0,
-                  distillation: bool = False, frozen_in_float32: bool = False) -> MethodMemory:
+                  distillation: bool = False, frozen_in_float32: bool = False,
+                  packed_share: float = 1.0) -> MethodMemory:
     """A method's part of the estimate from what its config declares (``options.MethodOptions``): the
     calibration windows it draws; its training phase (every parameter trained, unless ``trainable`` says
     otherwise; a LoRA fine-tune's own parameters, below 1 % of the model, are not counted);
     ``layer_statistics`` by default what one calibration window's MLP hidden activations take in float32
-    (gate, up and their product)."""
+    (gate, up and their product); ``packed_share``: the experts' packed inference copy in dense MLPs (1: the
+    experts partition the MLP; more where they overlap)."""
     windows, seq = cfg.calibration_windows(shape.config)
     calib = windows * seq
     stats = 3 * seq * shape.intermediate * 4 if layer_statistics is None else layer_statistics
-    memory = MethodMemory(calib_tokens=calib, layer_statistics=stats if calib else 0)
+    memory = MethodMemory(calib_tokens=calib, layer_statistics=stats if calib else 0, packed_share=packed_share)
     training = cfg.training(shape.config)
     if training is None:
         return memory
     count = 0 if training.lora else (shape.params if trainable is None else trainable)
     micro_batch = training.batch_size // training.grad_accum * training.seq_len
     return MethodMemory(calib, memory.layer_statistics, count, micro_batch, training.recompute,
-                        extra_train_activations, distillation, frozen_in_float32)
+                        extra_train_activations, distillation, frozen_in_float32, packed_share)

@@ -131,10 +131,7 @@ EXACT = Approximation()
 class LayerParts:
     """Layer ``index``'s MLP: ``shared`` runs on every token (the whole MLP of a dense layer), ``experts``
     are routed by ``routing`` (None: nothing is routed). ``input_bound`` bounds |x| at the MLP input
-    (sqrt(d) max|gamma| after an RMSNorm), so a sigmoid router's scores can be kept off saturation.
-    ``shared_packed``: whether moeify's runtime computes the shared part zero-padded to the model's
-    aligned width, as a format stores it; not for experts stored once (ToMoE's), whose shared part runs
-    at its own width rather than hold a padded second copy: the same function, other float32 sums."""
+    (sqrt(d) max|gamma| after an RMSNorm), so a sigmoid router's scores can be kept off saturation."""
 
     index: int
     path: str
@@ -142,7 +139,6 @@ class LayerParts:
     experts: tuple[GatedMlp, ...]
     routing: Routing | None
     input_bound: float
-    shared_packed: bool = True
 
     @property
     def routed(self) -> bool:
@@ -262,8 +258,7 @@ def layer_parts(model: nn.Module, approximation: Approximation = EXACT
             continue
         if shared is None:
             shared = GatedMlp.empty(hidden, experts[0].up)
-        packed = not (isinstance(module, MoeMLP) and module.shares_neurons)
-        parts.append(LayerParts(i, where, shared, experts, routing, _input_bound(adapter, i, hidden), packed))
+        parts.append(LayerParts(i, where, shared, experts, routing, _input_bound(adapter, i, hidden)))
     return parts, errors
 
 

@@ -121,8 +121,8 @@ class Method:
     expert on with unit weight (``MoeMLP.forward_all_experts``) reproduces the dense MLP (before any
     training): the identity the method x family tests pin. ``memory(shape, config, dtype bytes)``: the
     method's part of the peak-memory estimate (``moeify.planning``); ``inference_copy``: whether its layers
-    hold a packed copy of their experts at inference (``runtime.moe``: routed, disjoint experts; not a
-    static pruning, nor ToMoE's experts stored once). ``layer_by_layer``: ``convert`` touches the model only
+    hold a packed copy of their experts at inference (``runtime.moe``: routed experts; not a static
+    pruning). ``layer_by_layer``: ``convert`` touches the model only
     through ``calibration.stream`` (training-free, no fine-tune), so it converts a model loaded layer by
     layer (``moeify.offload``: larger than memory)."""
 

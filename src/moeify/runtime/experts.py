@@ -70,10 +70,10 @@ class ExpertMLP(nn.Module):
 class SharedNeuronExperts(nn.Module):
     """Experts that overlap (ToMoE's neuron subsets of one dense MLP), stored once: the union of their
     neurons as one ``HiddenNeurons`` + down projection, and each expert as positions in that union
-    (``index``: (experts, width), a buffer), the official code's masks as index lists. Expert ``e`` runs
-    on the union's rows ``index[e]``, gathered when it runs, so the layer holds the union once (about the
-    dense MLP) and a forward adds one expert's rows at a time. ``neuron_ids``: each union neuron's index
-    in the dense MLP."""
+    (``index``: (experts, width), a buffer), the official code's masks as index lists. Expert ``e`` is
+    the union's rows ``index[e]``: the saved model holds the union once (about the dense MLP), and the
+    training path gathers an expert's rows when it runs (inference runs a packed copy of the experts,
+    ``runtime.moe``). ``neuron_ids``: each union neuron's index in the dense MLP."""
 
     def __init__(self, hidden_size: int, union_width: int, num_experts: int, width: int, act: str, gated: bool,
                  up_bias: bool) -> None:

@@ -17,23 +17,23 @@ reproduces the native logits bit for bit. Equal experts run as fast as the per-e
 pay for their padding (MoRE: about a tenth, benchmarks/bench_export_layout.py). The packed copy is rebuilt
 whenever a weight changes, and dropped by the next forward with gradients on; it holds the layer's
 weights a second time while it exists. A projection wrapped by an adapter (LoRA) keeps the per-expert
-path. Experts that overlap (ToMoE's) are stored once (``experts.SharedNeuronExperts``) and have no
-packed copy: at inference the experts' rows are gathered from the union into the packed layout for the
-forward only, one gather per weight (``packed.shared_neuron_output``), so the layer holds about the dense
-MLP's weights, not its experts' summed widths twice, and still computes what its export computes.
+path. Experts that overlap (ToMoE's) are stored once (``experts.SharedNeuronExperts``); their packed
+copy gathers each expert's rows from the union (``PackedExperts.gathered``), so at inference such a layer
+holds its experts' summed widths beside the union, as its export does. Gathering the rows at every forward
+instead would hold less but read and write the chosen experts' weights once more per forward: measured
+slower on a CPU at every token count tried, from one token to hundreds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .experts import ExpertMLP, HiddenNeurons, SharedNeuronExperts
-from .packed import PackedExperts, packed_widths, shared_neuron_output
+from .packed import PackedExperts, packed_widths
 from .dispatch import Dispatch
 from .routers import ROUTERS, Router
 
@@ -145,9 +145,6 @@ class MoeMLP(nn.Module):
 
     def _inference_path(self) -> tuple[Callable[[Tensor, Dispatch], Tensor], Callable[[Tensor], Tensor] | None] | None:
         """(routed output, shared output) in the packed layout, or None where the per-expert path runs."""
-        if self.shares_neurons:
-            return partial(shared_neuron_output, self.experts, width=self.packed_widths[0],
-                           expert_scale=self.router.expert_scale), self.shared
         packed = self._current_pack()
         if packed is None:
             return None
@@ -184,22 +181,28 @@ class MoeMLP(nn.Module):
         projection is not a plain ``nn.Linear`` (e.g. wrapped by a LoRA adapter): the packed copy would
         miss what the wrapper adds, so the per-expert path runs."""
         # Runs on every forward (decode included), so it reads nn.Module's own dicts, not __getattr__.
-        parts = [*self.experts._modules.values(), *(() if self.shared is None else (self.shared,))]
+        parts = [self.experts] if self.shares_neurons else list(self.experts._modules.values())
+        parts += () if self.shared is None else (self.shared,)
         linears = [m for part in parts for neurons in (part._modules["neurons"]._modules,)
                    for m in (neurons.get("gate"), neurons["up"], part._modules["down"]) if m is not None]
         if any(type(m) is not nn.Linear for m in linears):
             return None
         if torch.compiler.is_compiling():  # a graph cannot compare data pointers: it runs the copy built eagerly
-            return self._packed[1] if self._packed is not None else PackedExperts.from_experts(
-                list(self.experts), self.shared, self.router.expert_scale, self.packed_widths)
-        widths = self.packed_widths
-        key = (widths, self.router.expert_scale,
-               tuple((t.data_ptr(), t._version) for m in linears for t in m._parameters.values() if t is not None))
+            return self._packed[1] if self._packed is not None else self._pack()
+        tensors = [t for m in linears for t in m._parameters.values() if t is not None]
+        if self.shares_neurons:
+            tensors.append(self.experts._buffers["index"])
+        key = (self.packed_widths, self.router.expert_scale, tuple((t.data_ptr(), t._version) for t in tensors))
         if self._packed is None or self._packed[0] != key:
             self._packed = None  # free the stale copy before building the new one
-            packed = PackedExperts.from_experts(list(self.experts), self.shared, self.router.expert_scale, widths)
-            self._packed = (key, packed)
+            self._packed = (key, self._pack())
         return self._packed[1]
+
+    def _pack(self) -> PackedExperts:
+        if self.shares_neurons:
+            return PackedExperts.gathered(self.experts, self.shared, self.router.expert_scale, self.packed_widths)
+        return PackedExperts.from_experts(list(self.experts), self.shared, self.router.expert_scale,
+                                          self.packed_widths)
 
     def _pseudo_moe(self, x: Tensor) -> Tensor:
         """ToMoE's pseudo-MoE (Appendix B.3, Eq. 17): the stored union of the experts' neurons as one dense

@@ -7,7 +7,7 @@ same float32 sums. Part of the runtime copied into every converted folder (impor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -65,6 +65,16 @@ def _padded_rows(weight: Tensor, width: int) -> Tensor:
     return F.pad(weight, (0, 0) * (weight.dim() - 1) + (0, width - weight.shape[0]))
 
 
+def _packed_shared(shared: ExpertMLP | None, width: int) -> tuple | None:
+    """The shared part's (gate, up, gate bias, up bias, down) zero-padded to ``width`` neurons, or None."""
+    if shared is None:
+        return None
+    n, pad = shared.neurons, lambda t: None if t is None else _padded_rows(t, width)
+    return (None if n.gate is None else pad(n.gate.weight), pad(n.up.weight),
+            None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
+            F.pad(shared.down.weight, (0, width - shared.width)))
+
+
 @dataclass
 class PackedExperts:
     """A layer's MLP weights for inference, laid out as transformers 5 holds MoE experts (see the module
@@ -97,49 +107,46 @@ class PackedExperts:
         with torch.no_grad():
             scale = float(expert_scale)
             downs = [e.down.weight * scale if scale != 1.0 else e.down.weight for e in experts]
-            packed_shared = None
-            if shared is not None:
-                n, pad = shared.neurons, lambda t: None if t is None else _padded_rows(t, shared_width)
-                packed_shared = (None if n.gate is None else pad(n.gate.weight), pad(n.up.weight),
-                                 None if n.gate is None else pad(n.gate.bias), pad(n.up.bias),
-                                 F.pad(shared.down.weight, (0, shared_width - shared.width)))
             return cls(act=neurons[0].act, gated=gated, first=stacked_first("weight"),
                        first_bias=None if neurons[0].up.bias is None else stacked_first("bias"),
-                       down=torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs]), shared=packed_shared)
+                       down=torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs]),
+                       shared=_packed_shared(shared, shared_width))
 
     @classmethod
-    def gathered(cls, experts: SharedNeuronExperts, expert_scale: float, width: int, used: Tensor) -> PackedExperts:
-        """The experts ``used`` (ids, ascending) of ``experts`` (stored once, as index lists into their union)
-        in the packed layout, without a shared part: one gather per weight, rows zero-padded to ``width``."""
-        neurons, index = experts.neurons, experts.index[used].long()  # (used, w): positions in the union
-        w = index.shape[1]
+    def gathered(cls, experts: SharedNeuronExperts, shared: ExpertMLP | None, expert_scale: float,
+                 widths: tuple[int, int]) -> PackedExperts:
+        """Experts stored once (as index lists into their union) and their shared part in the packed layout:
+        one gather per weight, rows zero-padded to W."""
+        width, shared_width = widths
+        neurons, index = experts.neurons, experts.index.long()  # (E, w): positions in the union
+        num, w = index.shape
 
         def first(part: str) -> Tensor | None:  # "weight" or "bias": (union, ...) -> (E, [2] width, ...)
             tensors = [getattr(n, part) for n in (neurons.gate, neurons.up) if n is not None]
             if tensors[-1] is None:
                 return None
-            out = tensors[-1].new_empty(len(used), len(tensors) * width, *tensors[-1].shape[1:])
+            out = tensors[-1].new_empty(num, len(tensors) * width, *tensors[-1].shape[1:])
             for k, t in enumerate(tensors):  # gathered into its block of one buffer: no padded or concatenated copies
-                out[:, k * width:k * width + w] = t.index_select(0, index.flatten()).view(len(used), w, *t.shape[1:])
+                out[:, k * width:k * width + w] = t.index_select(0, index.flatten()).view(num, w, *t.shape[1:])
                 out[:, k * width + w:(k + 1) * width] = 0
             return out
 
         with torch.no_grad():
             union_down = experts.down.weight  # (d, union)
             d = union_down.shape[0]
-            columns = (union_down.expand(len(used), d, -1), 2, index[:, None, :].expand(-1, d, w))
+            columns = (union_down.expand(num, d, -1), 2, index[:, None, :].expand(-1, d, w))
             if torch.compiler.is_compiling():  # a graph takes no strided out=; the compiler fuses the padding
                 down = F.pad(torch.gather(*columns), (0, width - w))
             else:
                 # columns picked by one gather straight into their block (an index_select along dim 1 and a
                 # permuted copy measured slower, several times so in bfloat16)
-                down = union_down.new_empty(len(used), d, width)
+                down = union_down.new_empty(num, d, width)
                 torch.gather(*columns, out=down[..., :w])
                 down[..., w:] = 0
             if expert_scale != 1.0:
                 down[..., :w] *= float(expert_scale)
             return cls(act=neurons.act, gated=neurons.gated, first=first("weight"), first_bias=first("bias"),
-                       down=down)
+                       down=down, shared=_packed_shared(shared, shared_width))
 
     def shared_output(self, x: Tensor) -> Tensor:
         gate, up, gate_bias, up_bias, down = self.shared
@@ -166,20 +173,3 @@ class PackedExperts:
             return torch.where(dispatch.real[:, None], y * dispatch.weight[:, None], 0)
         return y.mul_(dispatch.weight[:, None])
 
-
-def shared_neuron_output(experts: SharedNeuronExperts, x: Tensor, dispatch: Dispatch, width: int,
-                         expert_scale: float) -> Tensor:
-    """``PackedExperts.routed_output`` for experts stored once: the rows of the experts that have tokens
-    gathered from the union into the packed layout (zero-padded to ``width``) for this forward only, in
-    one gather per weight, then one grouped matmul per projection (as the export runs them, each expert's
-    product on its own), so the sums are the packed layout's without a lasting second copy of the layer.
-    A decode step gathers only the few experts its tokens chose: the experts with tokens come first (in
-    ascending id), and as many are gathered as there can be distinct ones, min(pairs, experts), a number
-    known from shapes alone (no host sync, no data-dependent shape: ``torch.compile`` traces it), at the
-    cost of gathering an expert without tokens where fewer distinct ones were chosen."""
-    has_tokens = dispatch.counts > 0
-    most = min(dispatch.expert.shape[0], dispatch.counts.shape[0])
-    used = torch.argsort(~has_tokens, stable=True)[:most]  # ids with tokens ascending, then ids without
-    position = torch.cumsum(has_tokens, 0) - 1  # expert id -> its place among the used ones
-    local = replace(dispatch, expert=position[dispatch.expert], counts=dispatch.counts[used])
-    return PackedExperts.gathered(experts, expert_scale, width, used).routed_output(x, local)

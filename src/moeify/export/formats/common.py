@@ -131,11 +131,5 @@ def routed_tensors(prefix: str, experts: list[GatedMlp], width: int, router: Ten
             f"{prefix}{router_name}.weight": router}
 
 
-def unpadded_shared(parts: list[LayerParts], shared_width: int) -> list[int]:
-    """Routed layers whose shared part the runtime computes at its own width (``LayerParts.shared_packed``)
-    where the format pads it to ``shared_width``: the same function, other float32 sums."""
-    return [p.index for p in parts if p.routed and not p.shared_packed and p.shared.width not in (0, shared_width)]
-
-
 def max_width(values: list[int], default: int = 0) -> int:
     return max(values, default=default)

@@ -20,7 +20,6 @@ from moeify.export.formats.common import (
     mlp_tensors,
     routed_tensors,
     routing_reasons,
-    unpadded_shared,
 )
 from moeify.export.hf_parts import LayerParts
 from moeify.runtime.packed import packed_widths
@@ -91,6 +90,5 @@ class Glm4Moe:
         _, shared = packed_widths([e.width for p in routed for e in p.experts], [p.shared.width for p in routed])
         stored = config.n_shared_experts * config.moe_intermediate_size
         wider = stored != shared
-        return sorted({p.index for p in parts
-                       if p.index >= config.first_k_dense_replace and (not p.routed or (wider and p.shared.width))}
-                      | set(unpadded_shared(parts, stored)))
+        return [p.index for p in parts
+                if p.index >= config.first_k_dense_replace and (not p.routed or (wider and p.shared.width))]

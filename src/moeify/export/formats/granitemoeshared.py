@@ -13,7 +13,6 @@ from moeify.export.formats.common import (
     max_width,
     routed_tensors,
     routing_reasons,
-    unpadded_shared,
 )
 from moeify.export.hf_parts import LayerParts
 from moeify.runtime.packed import aligned_width, packed_widths
@@ -65,5 +64,4 @@ class GraniteMoeShared:
                                            + config.num_experts_per_tok * config.intermediate_size)
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
-        return sorted({p.index for p in parts if p.shared.width > config.shared_intermediate_size}
-                      | set(unpadded_shared(parts, config.shared_intermediate_size)))
+        return [p.index for p in parts if p.shared.width > config.shared_intermediate_size]

@@ -17,7 +17,6 @@ from moeify.export.formats.common import (
     mlp_tensors,
     routed_tensors,
     routing_reasons,
-    unpadded_shared,
 )
 from moeify.export.hf_parts import GatedMlp, LayerParts
 from moeify.runtime.packed import aligned_width, packed_widths
@@ -72,4 +71,4 @@ class Qwen2Moe:
         return dense * config.intermediate_size + (config.num_hidden_layers - dense) * routed
 
     def rearranged(self, parts: list[LayerParts], config: PretrainedConfig) -> list[int]:
-        return unpadded_shared(parts, config.shared_expert_intermediate_size)
+        return []

@@ -49,7 +49,6 @@ TOMOE = Method(
     match_budget=match_budget,
     runtime_options={"pseudo_moe": Deferred("moeify.methods.tomoe.pseudo_moe", "set_pseudo_moe")},
     memory=Deferred("moeify.methods.tomoe.memory", "memory"),
-    inference_copy=False,
 )
 
 __all__ = ["TOMOE", "TomoeConfig"]

@@ -11,7 +11,9 @@ def memory(shape: ModelShape, cfg: TomoeConfig, nbytes: int) -> MethodMemory:
     """The weights stay frozen: what trains is Theta (per layer Proj_D^MLP's 128 x d_mid and the d x N
     router; the hypernetwork and attention projections are smaller), and the masked MLPs keep their
     (tokens, d_mid) masks and masked activations for the backward pass; the loss is a distillation KL. With
-    ``frozen_weights=float32`` a low-precision model is held in float32 while Theta trains."""
+    ``frozen_weights=float32`` a low-precision model is held in float32 while Theta trains. The converted
+    experts overlap: their packed inference copy holds N experts of about p d_mid neurons each."""
     trainable = shape.layers * (EMBED_DIM * shape.intermediate + shape.hidden * cfg.num_experts)
     return method_memory(shape, cfg, nbytes, trainable=trainable, extra_train_activations=2 * shape.intermediate * 4,
-                         distillation=True, frozen_in_float32=cfg.frozen_weights == "float32")
+                         distillation=True, frozen_in_float32=cfg.frozen_weights == "float32",
+                         packed_share=cfg.num_experts * cfg.active_ratio)
