@@ -8,8 +8,9 @@
 # then one device call carrying .whl and .gpu, its time limit above END (seconds from the start; default 500):
 #   timeout 560 bash benchmarks/gpu_lease.sh
 # and, at once while the machine is warm, a second call with what the lease has left (END=200, say) to go on.
-# Phases: CMoE of the 7B shape with its eager bench; CMoE's compiled bench (compiling the 7B shape may take
-# minutes for each shape and model); ToMoE and DSMoE of the 1.1B shape with their eager benches; MoRE's conversion.
+# Phases: the CUDA tests; CMoE of the 7B shape with its eager bench; CMoE's compiled bench (compiling the 7B shape
+# may take minutes for each shape and model); ToMoE and DSMoE of the 1.1B shape with their eager benches; MoRE's
+# conversion; kernel profiles of what was converted (gpu_profile.py); ToMoE's and DSMoE's compiled benches.
 # The folders stay on the machine (WORK), so a second call while it is warm continues where this one stopped.
 set -uo pipefail
 RETURN=${OUT:-/tmp/gpu_lease}
@@ -47,14 +48,27 @@ phase() {  # phase UNTIL VAR=VALUE...: gpu_check.sh with those settings, ending 
 }
 
 # the tests that need a CUDA device (seconds; they skip on a CPU)
-timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/test_cmoe.py -k cuda \
-  > /tmp/gc/gpu_tests.log 2>&1
-tail -n 3 /tmp/gc/gpu_tests.log
+if [ ! -f /tmp/gc/gpu_tests.done ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/test_cmoe.py tests/unit/test_few_pairs.py \
+    -k "cuda" > /tmp/gc/gpu_tests.log 2>&1 && touch /tmp/gc/gpu_tests.done
+  tail -n 3 /tmp/gc/gpu_tests.log
+fi
 
-phase $(( END * 40 / 100 )) PARTS=cmoe COMPILED_PARTS=
+phase $(( END * 35 / 100 )) PARTS=cmoe COMPILED_PARTS=
 # the lines' shapes only; the bench keeps each shape as it finishes (a cut run leaves those marked partial)
-phase $(( END * 90 / 100 )) PARTS=cmoe COMPILED_PARTS=cmoe \
+phase $(( END * 65 / 100 )) PARTS=cmoe COMPILED_PARTS=cmoe \
   COMPILED_BENCH_ARGS="--prefill 8x256 --decode 1,32 --repeats 3"
-phase "$END" PARTS="tomoe dsmoe" COMPILED_PARTS=
+phase $(( END * 85 / 100 )) PARTS="tomoe dsmoe" COMPILED_PARTS=
 phase "$END" PARTS=more
+# where the time goes, kernel by kernel (eager), for what was converted; then ToMoE's and DSMoE's compiled prefill
+for name in cmoe tomoe dsmoe; do
+  left=$(( END - (SECONDS - T0) ))
+  if [ -f "/tmp/gcwork/$name/record.json" ] && [ ! -f "/tmp/gc/profile_$name.log" ] && [ "$left" -gt 40 ]; then
+    timeout $(( left < 90 ? left : 90 )) python3 benchmarks/gpu_profile.py "/tmp/gcwork/$name" --shapes 8x256,1x1,32x1 \
+      > "/tmp/gc/profile_$name.part" 2>&1
+    mv "/tmp/gc/profile_$name.part" "/tmp/gc/profile_$name.log"
+  fi
+done
+collect
+phase "$END" PARTS="tomoe dsmoe" COMPILED_PARTS="tomoe dsmoe" COMPILED_BENCH_ARGS="--prefill 8x256 --decode 1 --repeats 3"
 echo "#### done at $(( SECONDS - T0 )) s"; ls -la "$RETURN"

@@ -6,7 +6,8 @@
 
 ``build``: weights from ``torch.manual_seed(0)`` (no download), moeify's embedded tokenizer (its ids are
 below every shape's vocabulary), built on the GPU where there is one. Shapes: ``7b`` (LLaMA-2-7B), ``1b``
-(TinyLlama-1.1B), ``tiny`` (a dry run of the script on a CPU).
+(TinyLlama-1.1B), ``tiny`` (a dry run of the script on a CPU); ``7b-4`` and ``1b-4``: four layers of those
+(a layer's kernels and speed in seconds, ``gpu_profile.py``).
 
 ``summarize``: one JSON file from the run folder WORK: the device, the versions, every conversion's times,
 planned and measured peaks and activated ratio, every bench (eager and compiled), and each line of the
@@ -31,6 +32,7 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=1024, max_position_embeddings=2048),
 }
+SHAPES.update({f"{name}-4": {**shape, "num_hidden_layers": 4} for name, shape in SHAPES.items() if name != "tiny"})
 # (run folder in WORK, the conversion's meaning): what gpu_check.sh converts, by the shape it converts
 RUNS = {"cmoe": "CMoE S1A1E8 of the larger shape", "more": "MoRE of the larger shape",
         "tomoe": "ToMoE at APR 0.5, a few steps, of the smaller shape",

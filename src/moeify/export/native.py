@@ -5,9 +5,9 @@ and a ``moeify`` block listing every MoE layer's structure and, for a model that
 parameter counts: ``removed_layers``, see ``moe.depth``; the shorter structure itself is the config's own
 ``num_hidden_layers``), ``model.safetensors`` (a model held a layer at a time, ``moeify.offload``: one
 shard per decoder layer and the index), the tokenizer, verbatim copies of the runtime modules
-(``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``dispatch.py``, ``packed.py``, ``attention.py``,
-``sparse_inputs.py``, which import each other relatively, so they run the same in the package and in the
-folder) and ``modeling_moeify.py``. Attention modules with a pruned head dimension are listed under
+(``RUNTIME_FILES``: ``moe.py``, ``experts.py``, ``routers.py``, ``dispatch.py``, ``packed.py``, ``few_pairs.py``,
+``attention.py``, ``sparse_inputs.py``, which import each other relatively, so they run the same in the package
+and in the folder) and ``modeling_moeify.py``. Attention modules with a pruned head dimension are listed under
 ``moeify.attention``, projections with thresholded inputs (TEAL) under ``moeify.sparse_inputs``. The changed
 ``model_type`` makes a plain ``from_pretrained`` without ``trust_remote_code`` fail loudly instead of silently
 loading dense MLPs with missing weights.
@@ -31,7 +31,7 @@ from moeify.runtime import attention as runtime_attention
 from moeify.runtime import moe as runtime_moe
 from moeify.runtime import sparse_inputs as runtime_sparse
 
-RUNTIME_FILES = ("moe.py", "experts.py", "routers.py", "dispatch.py", "packed.py", "attention.py",
+RUNTIME_FILES = ("moe.py", "experts.py", "routers.py", "dispatch.py", "packed.py", "few_pairs.py", "attention.py",
                  "sparse_inputs.py")
 
 

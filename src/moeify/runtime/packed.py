@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from . import few_pairs
 from .experts import ExpertMLP, SharedNeuronExperts
 from .dispatch import Dispatch
 
@@ -85,6 +86,7 @@ class PackedExperts:
     gathered from experts stored once (``gathered``)."""
 
     act: Callable[[Tensor], Tensor]
+    act_name: str
     gated: bool
     first: Tensor
     first_bias: Tensor | None
@@ -107,7 +109,8 @@ class PackedExperts:
         with torch.no_grad():
             scale = float(expert_scale)
             downs = [e.down.weight * scale if scale != 1.0 else e.down.weight for e in experts]
-            return cls(act=neurons[0].act, gated=gated, first=stacked_first("weight"),
+            return cls(act=neurons[0].act, act_name=neurons[0].act_name, gated=gated,
+                       first=stacked_first("weight"),
                        first_bias=None if neurons[0].up.bias is None else stacked_first("bias"),
                        down=torch.stack([F.pad(d, (0, width - d.shape[1])) for d in downs]),
                        shared=_packed_shared(shared, shared_width))
@@ -145,8 +148,8 @@ class PackedExperts:
                 down[..., w:] = 0
             if expert_scale != 1.0:
                 down[..., :w] *= float(expert_scale)
-            return cls(act=neurons.act, gated=neurons.gated, first=first("weight"), first_bias=first("bias"),
-                       down=down, shared=_packed_shared(shared, shared_width))
+            return cls(act=neurons.act, act_name=neurons.act_name, gated=neurons.gated, first=first("weight"),
+                       first_bias=first("bias"), down=down, shared=_packed_shared(shared, shared_width))
 
     def shared_output(self, x: Tensor) -> Tensor:
         gate, up, gate_bias, up_bias, down = self.shared
@@ -158,7 +161,13 @@ class PackedExperts:
         """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order. The
         (pairs, d) tensors are the layer's largest: one ``index_select`` gathers the rows and the weights
         multiply in place: the same values as indexing and a new product, without allocating and faulting
-        in another such tensor (what a CPU's memory bandwidth pays for)."""
+        in another such tensor (what a CPU's memory bandwidth pays for). A few pairs on a GPU (a decoding
+        step) run ``few_pairs``' kernels instead."""
+        pairs = dispatch.token.shape[0]
+        if dispatch.real is None and few_pairs.applies(x, pairs, self.first.shape[0], self.act_name, self.gated,
+                                                        self.first_bias is not None):
+            return few_pairs.routed_output(x, dispatch.token, dispatch.expert, dispatch.weight, self.first,
+                                           self.down, self.act_name)
         offsets = torch.cumsum(dispatch.counts, 0, dtype=torch.int32)
         h = grouped_linear(x.index_select(0, dispatch.token), self.first, offsets)
         if self.first_bias is not None:
