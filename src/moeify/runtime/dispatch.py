@@ -63,14 +63,17 @@ class Dispatch:
     @staticmethod
     def _every_pair(active: Tensor, weights: Tensor) -> "Dispatch":
         """``from_mask`` with a fixed number of pairs, tokens x experts: a stable sort of the pairs in (expert,
-        token) order by their expert, the pairs not chosen keyed past the last expert."""
+        token) order by their expert, the pairs not chosen keyed past the last expert. Every pair is listed
+        once, so the dispatch is a top-k one with k = experts (``slot``: the pair's place in the (tokens,
+        experts) matrix): the outputs are summed per token by a gather and a sum, where adding them into the
+        tokens' rows (``index_add``) would take atomic adds of the experts' outputs into each row on a GPU."""
         tokens, experts = active.shape
         ids = torch.arange(experts, device=active.device)
         key = torch.where(active, ids, experts).T.reshape(-1)  # (expert, token) order
         key, order = torch.sort(key, stable=True)
         expert, token = order // tokens, order % tokens
         return Dispatch(token=token, expert=expert, weight=weights.T.reshape(-1)[order] * (key < experts),
-                        counts=active.sum(dim=0), real=key < experts)
+                        counts=active.sum(dim=0), top_k=experts, slot=token * experts + expert, real=key < experts)
 
     def chosen(self) -> "Dispatch":
         """The chosen pairs alone (they come first): a host sync, for a path that reads the counts back anyway
@@ -78,7 +81,8 @@ class Dispatch:
         if self.real is None:
             return self
         n = int(self.counts.sum())
-        return replace(self, token=self.token[:n], expert=self.expert[:n], weight=self.weight[:n], real=None)
+        return replace(self, token=self.token[:n], expert=self.expert[:n], weight=self.weight[:n], real=None,
+                       top_k=None, slot=None)
 
 
 def lists_every_pair(active: Tensor) -> bool:
