@@ -1,5 +1,6 @@
-"""The few-pairs kernels (``runtime.few_pairs``) against the grouped path: on a CPU through triton's
-interpreter (where triton is installed), and on a CUDA device through an MoE layer, eager and compiled."""
+"""The few-pairs kernels (``runtime.few_pairs``) against the grouped path and the torch router, through an
+MoE layer: on a CPU in triton's interpreter (where triton is installed), and on a CUDA device, eager and
+compiled."""
 
 import os
 import subprocess
@@ -20,40 +21,46 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 INTERPRETED = textwrap.dedent("""
     import torch
-    from transformers.activations import ACT2FN
     from moeify.runtime import few_pairs
-    g = torch.Generator().manual_seed(0)
-    E, W, d = 5, 40, 300  # widths that are no multiple of the kernels' blocks
+    from tests.unit.test_few_pairs import cmoe_like_layer
+    grouped = few_pairs.applies
+    kernels = lambda x, pairs, experts, act, gated, biased: pairs <= experts and gated and not biased
+    torch.manual_seed(1)
     for act in few_pairs.ACTIVATIONS:
-        first, down = 0.1 * torch.randn(E, 2 * W, d, generator=g), 0.1 * torch.randn(E, d, W, generator=g)
-        x, weight = torch.randn(3, d, generator=g), torch.rand(4, generator=g)
-        token, expert = torch.tensor([0, 2, 1, 2]), torch.tensor([4, 0, 4, 1])
-        y = few_pairs.routed_output(x, token, expert, weight, first, down, act)
-        gate, up = (first.double()[expert] @ x.double()[token][:, :, None]).squeeze(-1).chunk(2, dim=-1)
-        h = ACT2FN[act](gate) * up
-        reference = (down.double()[expert] @ h[:, :, None]).squeeze(-1) * weight.double()[:, None]
-        torch.testing.assert_close(y.double(), reference, atol=2e-5, rtol=1e-5)
+        for top_k, shared, score in ((1, True, "abs"), (2, True, "signed"), (3, False, "abs")):
+            layer = cmoe_like_layer(d=72, width=40, experts=5, act=act, top_k=top_k, shared=shared, score=score)
+            torch.nn.init.normal_(layer.router.u)
+            torch.nn.init.normal_(layer.router.bias, std=0.01)
+            x = torch.randn(1, 3 - top_k // 2, 72)  # widths and d no multiple of the kernels' blocks
+            with torch.no_grad():
+                few_pairs.applies = kernels
+                fast, choice = layer(x), layer.router.choose(x[0])
+                few_pairs.applies = grouped
+                reference, expected = layer(x), layer.router.choose(x[0])
+            assert torch.equal(choice[0], expected[0]), (act, top_k)
+            torch.testing.assert_close(choice[1], expected[1], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
     print("ok")
 """)
 
 
 @needs_triton
-def test_the_kernels_compute_each_pairs_weighted_expert_output_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+def test_the_kernels_compute_the_layer_and_its_routing_in_the_interpreter():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root / 'src'}:{root}"}
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-def cmoe_like_layer(d: int = 256, width: int = 96, experts: int = 8) -> MoeMLP:
+def cmoe_like_layer(d: int = 256, width: int = 96, experts: int = 8, act: str = "silu", top_k: int = 1,
+                    shared: bool = True, score: str = "abs") -> MoeMLP:
+    """A random CMoE-like layer: ``experts`` routed experts, a shared part of the same width or none."""
     torch.manual_seed(0)
-    parts = [ExpertMLP(d, width, "silu", True, False) for _ in range(experts + 1)]
-    for part in parts:
-        for p in part.parameters():
-            torch.nn.init.normal_(p, std=d ** -0.5)
-    router = RepresentativeRouter(d, experts, 1, "silu", True, False)
-    for p in router.neurons.parameters():
+    parts = [ExpertMLP(d, width, act, True, False) for _ in range(experts + 1)]
+    router = RepresentativeRouter(d, experts, top_k, act, True, False, score=score)
+    for p in [*(p for part in parts for p in part.parameters()), *router.neurons.parameters()]:
         torch.nn.init.normal_(p, std=d ** -0.5)
-    return MoeMLP(parts[1:], router, parts[0]).eval()
+    return MoeMLP(parts[1:], router, parts[0] if shared else None).eval()
 
 
 @needs_cuda

@@ -60,10 +60,10 @@ def test_top1_inference_adds_each_token_s_expert_output_exactly(shared):
         layer.router.u.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))
         x = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
         out = layer(x)
-        routed_output, shared_output = layer._inference_path()
+        packed = layer._current_pack()
         d = layer.router(x)
-        y = routed_output(x, d)[torch.argsort(d.slot)]  # each token's own pair, in token order
-        expected = y + shared_output(x) if shared else y
+        y = packed.routed_output(x, d)[torch.argsort(d.slot)]  # each token's own pair, in token order
+        expected = y + packed.shared_output(x) if shared else y
     assert torch.equal(out, expected)
     torch.testing.assert_close(out, layer._per_expert_forward(x, layer.shared(x) if shared else torch.zeros_like(x)))
 

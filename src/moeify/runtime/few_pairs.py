@@ -1,16 +1,19 @@
-"""Routed experts on a few (token, expert) pairs, as a decoding step has them: one Triton kernel per
-projection that reads only the chosen experts' rows. Part of the runtime copied into every converted folder
-(imports torch, and triton where it is installed).
+"""An MoE layer on a few tokens, as a decoding step has them, in Triton kernels that read only the chosen
+experts' rows. Part of the runtime copied into every converted folder (imports torch, and triton where it is
+installed).
 
-A grouped matmul serves many tokens per expert well; at a decoding step each expert has a token or none,
-and the grouped matmul's row tiles are nearly empty while its launches (and those of the dispatch that sorts
-and counts the pairs for it) cost as much as the product. Here each program computes a block of one pair's
-output rows as a matrix-vector product, so a step reads each chosen expert's weights once, needs the pairs
-in no particular order, and runs two kernels: the gate and up rows with the activation and their product
-(``first``), then the down rows times the pair's routing weight (``down``). The sums run in float32 and
-are rounded once, where the grouped path rounds each product to the working dtype first: within that
-dtype's rounding of it. Where a pair count exceeds the expert count, experts would be read once per pair,
-so the grouped path runs (``applies``); on a CPU, or without triton, it always does.
+A grouped matmul serves many tokens per expert well; at a decoding step each expert has a token or none, the
+grouped matmul's row tiles are nearly empty, and the launches around it (the dispatch that sorts and counts
+the pairs, the shared part's matmuls, the gather and the scatter of rows) cost as much as the products: on a
+GPU each is a kernel, and in eager mode each is an operator the host issues. Here a layer's experts take two
+kernels: ``_first`` computes, for each (token, slot) pair of the routers' (tokens, k) choice and for each
+token's shared part, a block of hidden rows as matrix-vector products with the activation and the gate/up
+product; ``_down`` computes each token's output rows: the shared part's down rows plus each chosen expert's
+times its routing weight, written in place of the token's MLP output (no scatter). CMoE's router, whose
+scores are hidden values of representative neurons, is one more kernel (``_representative``). Sums run in
+float32 and are rounded once, where the grouped path rounds each product to the working dtype: the results
+agree within that dtype's rounding. Pairs beyond the expert count would read experts once per pair, so the
+grouped path runs there (``applies``); on a CPU, or without triton, it always does.
 """
 
 from __future__ import annotations
@@ -24,46 +27,89 @@ try:
 except ImportError:  # the grouped path runs
     triton = None
 
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}  # ACT2FN names the kernel computes
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}  # ACT2FN names the kernels compute
 FIRST_ROWS, FIRST_COLUMNS = 8, 512   # a program's block of one pair's gate/up rows, and its step over d
-DOWN_ROWS, DOWN_COLUMNS = 16, 256    # ... of the down projection's rows (d of them), and its step over W
+DOWN_ROWS, DOWN_COLUMNS = 16, 256    # ... of a token's output rows (d of them), and its step over the widths
+ROUTER_COLUMNS = 256                 # the representative router's step over d
 
 
 def applies(x: Tensor, pairs: int, num_experts: int, act_name: str, gated: bool, biased: bool) -> bool:
-    """Whether the kernels compute this forward: a CUDA tensor, at most one pair per expert on average,
-    a gated MLP without biases whose activation they know, triton installed."""
+    """Whether the kernels compute this forward: a CUDA tensor, at most one pair per expert on average, a
+    gated MLP without biases whose activation they know, triton installed."""
     return (triton is not None and x.is_cuda and pairs <= num_experts and gated and not biased
             and act_name in ACTIVATIONS)
 
 
-def routed_output(x: Tensor, token: Tensor, expert: Tensor, weight: Tensor, first: Tensor, down: Tensor,
-                  act_name: str) -> Tensor:
-    """Each pair's weighted expert output, (pairs, d), in the pairs' order: ``first`` (E, 2W, d) holds each
-    expert's W gate rows then its W up rows, ``down`` (E, d, W); ``x`` (tokens, d)."""
-    pairs, (num, double_width, d) = token.shape[0], first.shape
-    width = double_width // 2
-    x, first, down = x.contiguous(), first.contiguous(), down.contiguous()
-    h = x.new_empty(pairs, width)
-    _first[(pairs, triton.cdiv(width, FIRST_ROWS))](
-        x, token, expert, first, h, d, width, ACT=ACTIVATIONS[act_name], ROWS=FIRST_ROWS, COLUMNS=FIRST_COLUMNS)
-    y = x.new_empty(pairs, d)
-    _down[(pairs, triton.cdiv(d, DOWN_ROWS))](h, expert, weight, down, y, d, width, ROWS=DOWN_ROWS,
-                                              COLUMNS=DOWN_COLUMNS)
-    return y
+def moe_output(x: Tensor, choice: Tensor, weight: Tensor, first: Tensor, down: Tensor,
+               shared: tuple[Tensor, Tensor, Tensor] | None, act_name: str) -> Tensor:
+    """The layer's output (tokens, d): each token's shared part plus its ``choice`` (tokens, k) experts times
+    ``weight`` (tokens, k). ``first`` (E, 2W, d) holds each expert's W gate rows then its W up rows, ``down``
+    (E, d, W); ``shared``: its (gate (S, d), up (S, d), down (d, S)) or None; ``x`` (tokens, d)."""
+    tokens, k = choice.shape
+    d, width = x.shape[1], first.shape[1] // 2
+    shared_width = 0 if shared is None else shared[0].shape[0]
+    gate_s, up_s, down_s = (t.contiguous() for t in shared) if shared is not None else (first, first, down)
+    x, choice, weight = x.contiguous(), choice.contiguous(), weight.contiguous()
+    first, down = first.contiguous(), down.contiguous()
+    h = x.new_empty(tokens * k, width)
+    h_shared = x.new_empty(tokens, max(shared_width, 1))
+    programs = tokens * k + (tokens if shared is not None else 0)
+    _first[(programs, triton.cdiv(max(width, shared_width), FIRST_ROWS))](
+        x, choice, first, gate_s, up_s, h, h_shared, d, width, shared_width, tokens * k, K=k,
+        ACT=ACTIVATIONS[act_name], ROWS=FIRST_ROWS, COLUMNS=FIRST_COLUMNS)
+    out = torch.empty_like(x)
+    _down[(tokens, triton.cdiv(d, DOWN_ROWS))](h, h_shared, choice, weight, down, down_s, out, d, width, shared_width,
+                                               K=k, ROWS=DOWN_ROWS, COLUMNS=DOWN_COLUMNS)
+    return out
+
+
+def representative_choice(x: Tensor, gate: Tensor, up: Tensor, bias: Tensor, u: Tensor, k: int, act_name: str,
+                          signed: bool) -> tuple[Tensor, Tensor]:
+    """CMoE's routing (Eq. 24-32) in one kernel: s = |act(x W_gate^R) * (x W_up^R)| (or signed) in float32,
+    s' = softmax(s), the k experts of largest s' + b, each weighing 1 + s'_i u_i: (tokens, k) ids and
+    weights in x's dtype, ids in descending order of s' + b."""
+    tokens, d = x.shape
+    experts = gate.shape[0]
+    choice = torch.empty(tokens, k, dtype=torch.long, device=x.device)
+    weight = x.new_empty(tokens, k)
+    _representative[(tokens,)](x.contiguous(), gate.contiguous(), up.contiguous(), bias.contiguous(), u.contiguous(),
+                               choice, weight, d, experts, K=k, BLOCK_E=triton.next_power_of_2(experts),
+                               ACT=ACTIVATIONS[act_name], SIGNED=signed, COLUMNS=ROUTER_COLUMNS)
+    return choice, weight
 
 
 if triton is not None:
     @triton.jit
-    def _first(x_ptr, token_ptr, expert_ptr, w_ptr, h_ptr, d, width, ACT: tl.constexpr, ROWS: tl.constexpr,
-               COLUMNS: tl.constexpr):
-        """h[pair, rows] = act(x[token] . gate rows) * (x[token] . up rows), in float32, stored rounded."""
-        pair, block = tl.program_id(0), tl.program_id(1)
-        token = tl.load(token_ptr + pair).to(tl.int64)
-        expert = tl.load(expert_ptr + pair).to(tl.int64)
+    def _activation(g, ACT: tl.constexpr):
+        if ACT == 0:  # silu
+            return g * tl.sigmoid(g)
+        elif ACT == 1:  # gelu (erf)
+            return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        else:  # gelu, tanh approximation: 0.5 g (1 + tanh(v)) = g sigmoid(2 v)
+            return g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+
+    @triton.jit
+    def _first(x_ptr, choice_ptr, first_ptr, gate_s_ptr, up_s_ptr, h_ptr, hs_ptr, d, width, shared_width, pairs,
+               K: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        """A block of hidden rows act(x[token] . gate rows) * (x[token] . up rows) of one pair (programs below
+        ``pairs``: pair p is token p // K's slot p % K) or of one token's shared part (the programs after)."""
+        program, block = tl.program_id(0), tl.program_id(1)
         rows = block * ROWS + tl.arange(0, ROWS)
-        live = rows < width
-        gate_rows = w_ptr + expert * 2 * width * d + rows.to(tl.int64)[:, None] * d
-        up_rows = gate_rows + width * d
+        if program < pairs:
+            token = program // K
+            expert = tl.load(choice_ptr + program).to(tl.int64)
+            rows_of = width
+            gate_rows = first_ptr + expert * 2 * width * d
+            up_rows = gate_rows + width * d
+            out = h_ptr + program * width
+        else:
+            token = program - pairs
+            rows_of = shared_width
+            gate_rows = gate_s_ptr
+            up_rows = up_s_ptr
+            out = hs_ptr + token * shared_width
+        live = rows < rows_of
+        offsets = rows.to(tl.int64)[:, None] * d
         gate = tl.zeros((ROWS,), dtype=tl.float32)
         up = tl.zeros((ROWS,), dtype=tl.float32)
         for start in range(0, d, COLUMNS):
@@ -71,30 +117,65 @@ if triton is not None:
             inside = columns < d
             xs = tl.load(x_ptr + token * d + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
             both = live[:, None] & inside[None, :]
-            gate += tl.sum(tl.load(gate_rows + columns[None, :], mask=both, other=0.0).to(tl.float32) * xs, axis=1)
-            up += tl.sum(tl.load(up_rows + columns[None, :], mask=both, other=0.0).to(tl.float32) * xs, axis=1)
-        if ACT == 0:  # silu
-            gate = gate * tl.sigmoid(gate)
-        elif ACT == 1:  # gelu (erf)
-            gate = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-        else:  # gelu, tanh approximation: 0.5 g (1 + tanh(u)) = g sigmoid(2 u)
-            gate = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
-        tl.store(h_ptr + pair * width + rows, (gate * up).to(h_ptr.dtype.element_ty), mask=live)
+            g = tl.load(gate_rows + offsets + columns[None, :], mask=both, other=0.0).to(tl.float32)
+            gate += tl.sum(g * xs, axis=1)
+            v = tl.load(up_rows + offsets + columns[None, :], mask=both, other=0.0).to(tl.float32)
+            up += tl.sum(v * xs, axis=1)
+        tl.store(out + rows, (_activation(gate, ACT) * up).to(h_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _down(h_ptr, expert_ptr, weight_ptr, w_ptr, y_ptr, d, width, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-        """y[pair, rows] = weight[pair] (h[pair] . down rows), in float32, stored rounded."""
-        pair, block = tl.program_id(0), tl.program_id(1)
-        expert = tl.load(expert_ptr + pair).to(tl.int64)
+    def _rows_times(w_ptr, v_ptr, rows, live, n, COLUMNS: tl.constexpr):
+        """(rows of an (., n) matrix at w_ptr) . v (n,), in float32."""
+        acc = tl.zeros(rows.shape, dtype=tl.float32)
+        offsets = rows.to(tl.int64)[:, None] * n
+        for start in range(0, n, COLUMNS):
+            columns = start + tl.arange(0, COLUMNS)
+            inside = columns < n
+            vs = tl.load(v_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
+            ws = tl.load(w_ptr + offsets + columns[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+            acc += tl.sum(ws.to(tl.float32) * vs, axis=1)
+        return acc
+
+    @triton.jit
+    def _down(h_ptr, hs_ptr, choice_ptr, weight_ptr, down_ptr, down_s_ptr, out_ptr, d, width, shared_width,
+              K: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        """A block of token t's output rows: its shared part's down rows . its shared hidden values, plus
+        each slot's weight times its expert's down rows . the slot's hidden values."""
+        token, block = tl.program_id(0), tl.program_id(1)
         rows = block * ROWS + tl.arange(0, ROWS)
         live = rows < d
-        down_rows = w_ptr + expert * d * width + rows.to(tl.int64)[:, None] * width
         acc = tl.zeros((ROWS,), dtype=tl.float32)
-        for start in range(0, width, COLUMNS):
-            columns = start + tl.arange(0, COLUMNS)
-            inside = columns < width
-            hs = tl.load(h_ptr + pair * width + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
-            both = live[:, None] & inside[None, :]
-            acc += tl.sum(tl.load(down_rows + columns[None, :], mask=both, other=0.0).to(tl.float32) * hs, axis=1)
-        acc = acc * tl.load(weight_ptr + pair).to(tl.float32)
-        tl.store(y_ptr + pair * d + rows, acc.to(y_ptr.dtype.element_ty), mask=live)
+        if shared_width > 0:
+            acc = _rows_times(down_s_ptr, hs_ptr + token * shared_width, rows, live, shared_width, COLUMNS)
+        for slot in tl.static_range(K):
+            pair = token * K + slot
+            expert = tl.load(choice_ptr + pair).to(tl.int64)
+            part = _rows_times(down_ptr + expert * d * width, h_ptr + pair * width, rows, live, width, COLUMNS)
+            acc += tl.load(weight_ptr + pair).to(tl.float32) * part
+        tl.store(out_ptr + token * d + rows, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _representative(x_ptr, gate_ptr, up_ptr, bias_ptr, u_ptr, choice_ptr, weight_ptr, d, experts,
+                        K: tl.constexpr, BLOCK_E: tl.constexpr, ACT: tl.constexpr, SIGNED: tl.constexpr,
+                        COLUMNS: tl.constexpr):
+        """One token's CMoE routing: scores, softmax, the top K of s' + b (the largest first), weights."""
+        token = tl.program_id(0)
+        ids = tl.arange(0, BLOCK_E)
+        live = ids < experts
+        gate = _rows_times(gate_ptr, x_ptr + token * d, ids, live, d, COLUMNS)
+        up = _rows_times(up_ptr, x_ptr + token * d, ids, live, d, COLUMNS)
+        s = _activation(gate, ACT) * up
+        if not SIGNED:
+            s = tl.abs(s)
+        s = tl.where(live, s, float("-inf"))
+        e = tl.exp(s - tl.max(s, axis=0))
+        p = e / tl.sum(e, axis=0)  # s'; Eq. 29
+        key = tl.where(live, p + tl.load(bias_ptr + ids, mask=live, other=0.0).to(tl.float32), float("-inf"))
+        u = tl.load(u_ptr + ids, mask=live, other=0.0).to(tl.float32)
+        for slot in tl.static_range(K):  # Eq. 32, one expert at a time
+            best = tl.argmax(key, axis=0)
+            picked = ids == best
+            tl.store(choice_ptr + token * K + slot, best.to(tl.int64))
+            g = 1.0 + tl.sum(tl.where(picked, p * u, 0.0), axis=0)  # Eq. 28
+            tl.store(weight_ptr + token * K + slot, g.to(weight_ptr.dtype.element_ty))
+            key = tl.where(picked, float("-inf"), key)

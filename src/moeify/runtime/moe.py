@@ -26,7 +26,6 @@ slower on a CPU at every token count tried, from one token to hundreds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,11 +106,11 @@ class MoeMLP(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (tokens, d)
-        path = None
+        packed = None
         if self.router is not None and not self.pseudo_moe and not torch.is_grad_enabled():
-            path = self._inference_path()
-        if path is not None:
-            out = self._packed_forward(x, *path)
+            packed = self._current_pack()  # None where a projection is wrapped (LoRA): the per-expert path
+        if packed is not None:
+            out = self._packed_forward(x, packed)
         else:
             self._packed = None  # per-expert path (training, pseudo-MoE, adapters): the copy goes
             out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
@@ -143,23 +142,19 @@ class MoeMLP(nn.Module):
             return out
         return out.index_add(0, dispatch.token, torch.cat(outputs) * weight[:, None])
 
-    def _inference_path(self) -> tuple[Callable[[Tensor, Dispatch], Tensor], Callable[[Tensor], Tensor] | None] | None:
-        """(routed output, shared output) in the packed layout, or None where the per-expert path runs."""
-        packed = self._current_pack()
-        if packed is None:
-            return None
-        return packed.routed_output, None if packed.shared is None else packed.shared_output
-
-    def _packed_forward(self, x: Tensor, routed_output: Callable[[Tensor, Dispatch], Tensor],
-                        shared_output: Callable[[Tensor], Tensor] | None) -> Tensor:
+    def _packed_forward(self, x: Tensor, packed: PackedExperts) -> Tensor:
         """Inference path: the packed experts (see the module docstring), summed like transformers' MoE
-        blocks: per token over its top-k slots in order, then plus the shared part."""
+        blocks: per token over its top-k slots in order, then plus the shared part. A decoding step on a GPU
+        (a top-k router's few pairs) runs the whole layer in ``few_pairs``' kernels instead."""
+        k = getattr(self.router, "top_k", None)
+        if k is not None and not self.track_stats and packed.runs_few_pairs(x, x.shape[0] * k):
+            return packed.few_pairs_output(x, *self.router.choose(x))
         dispatch = self.router(x)
         self._track(dispatch)
-        shared = shared_output(x) if shared_output is not None else None
+        shared = packed.shared_output(x) if packed.shared is not None else None
         if dispatch.token.numel() == 0:
             return shared if shared is not None else torch.zeros_like(x)
-        y = routed_output(x, dispatch)
+        y = packed.routed_output(x, dispatch)
         if dispatch.slot is None:  # a token-dependent number of experts: add in dispatch order
             return (shared if shared is not None else torch.zeros_like(x)).index_add(0, dispatch.token, y)
         if dispatch.top_k == 1:  # one pair per token: shared + y exactly, added in place (one operation)

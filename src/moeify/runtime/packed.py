@@ -157,17 +157,21 @@ class PackedExperts:
         h = self.act(F.linear(x, gate, gate_bias)) * h if gate is not None else self.act(h)
         return F.linear(h, down)
 
+    def runs_few_pairs(self, x: Tensor, pairs: int) -> bool:
+        """Whether ``few_pairs_output`` computes a forward of ``pairs`` (token, expert) pairs on ``x``."""
+        return few_pairs.applies(x, pairs, self.first.shape[0], self.act_name, self.gated, self.first_bias is not None)
+
+    def few_pairs_output(self, x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
+        """The layer's output for a top-k router's ``choice`` and ``weight`` (tokens, k), shared part included:
+        ``few_pairs``' kernels (a decoding step on a GPU)."""
+        shared = None if self.shared is None else (self.shared[0], self.shared[1], self.shared[4])
+        return few_pairs.moe_output(x, choice, weight, self.first, self.down, shared, self.act_name)
+
     def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:
         """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order. The
         (pairs, d) tensors are the layer's largest: one ``index_select`` gathers the rows and the weights
         multiply in place: the same values as indexing and a new product, without allocating and faulting
-        in another such tensor (what a CPU's memory bandwidth pays for). A few pairs on a GPU (a decoding
-        step) run ``few_pairs``' kernels instead."""
-        pairs = dispatch.token.shape[0]
-        if dispatch.real is None and few_pairs.applies(x, pairs, self.first.shape[0], self.act_name, self.gated,
-                                                        self.first_bias is not None):
-            return few_pairs.routed_output(x, dispatch.token, dispatch.expert, dispatch.weight, self.first,
-                                           self.down, self.act_name)
+        in another such tensor (what a CPU's memory bandwidth pays for)."""
         offsets = torch.cumsum(dispatch.counts, 0, dtype=torch.int32)
         h = grouped_linear(x.index_select(0, dispatch.token), self.first, offsets)
         if self.first_bias is not None:

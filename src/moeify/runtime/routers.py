@@ -8,7 +8,9 @@ Dispatch``, ``expected_experts()`` (routed experts per token under its nominal a
 ``moe.build_moe_mlp``) and ``linear_form()``: the router as a linear top-k router ``x @ W.T`` that a
 standard MoE format computes, or ``NotLinear`` saying why it is not one. A router whose expert count
 varies per token may offer ``fixed_k_form(k)``, its closest linear top-k router (export's approximation).
-What a router returns is a ``Dispatch`` (``dispatch.py``).
+What a router returns is a ``Dispatch`` (``dispatch.py``). A top-k router's choice comes from its
+``choose(x)``: the (tokens, k) expert ids and weights, which ``forward`` sorts into a dispatch and a
+decoding step on a GPU hands to ``few_pairs``' kernels as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from . import few_pairs
 from .dispatch import Dispatch
 from .experts import HiddenNeurons
 
@@ -71,6 +74,11 @@ def top_k_experts(router: Router) -> float:
     return float(router.top_k)
 
 
+def top_k_dispatch(router: Router, x: Tensor) -> Dispatch:
+    """``forward`` of a top-k router: its ``choose(x)`` as a dispatch sorted by expert."""
+    return Dispatch.from_topk(*router.choose(x), router.num_experts)
+
+
 def set_top_k(router: Router, name: str, value: Any) -> None:
     """The runtime option of every top-k router: ``top_k`` in [1, num_experts]."""
     if name != "top_k":
@@ -118,11 +126,19 @@ class RepresentativeRouter(nn.Module):
         raise NotLinear("is not linear in x (its scores are the SwiGLU hidden values of representative neurons), "
                         "and standard formats only compute linear scores x @ W.T", approximable=True)
 
-    def forward(self, x: Tensor) -> Dispatch:
+    forward = top_k_dispatch
+
+    def choose(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        n = self.neurons
+        if (not torch.is_grad_enabled() and type(n.up) is nn.Linear and type(n.gate) is nn.Linear
+                and few_pairs.applies(x, x.shape[0] * self.top_k, self.num_experts, n.act_name, n.gated,
+                                      n.up.bias is not None)):  # a decoding step on a GPU: one kernel
+            return few_pairs.representative_choice(x, n.gate.weight, n.up.weight, self.bias, self.u, self.top_k,
+                                                   n.act_name, signed=self.score == "signed")
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
         chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # Eq. 32
         weight = (scores * self.u).gather(-1, chosen).add_(1.0)  # g_i = 1 + s'_i u_i; Eq. 28
-        return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)
+        return chosen, weight.to(x.dtype)
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor) -> None:
@@ -167,9 +183,11 @@ class PrototypeRouter(nn.Module):
         x, protos = x.float(), self.prototypes.float()
         return (x @ protos.T) / (x.norm(dim=-1, keepdim=True) * protos.norm(dim=-1) + self.eps)
 
-    def forward(self, x: Tensor) -> Dispatch:
+    forward = top_k_dispatch
+
+    def choose(self, x: Tensor) -> tuple[Tensor, Tensor]:
         chosen = torch.topk(self.similarity(x), self.top_k, dim=-1).indices  # Eq. 12
-        return Dispatch.from_topk(chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device), self.num_experts)
+        return chosen, torch.ones(chosen.shape, dtype=x.dtype, device=x.device)
 
 
 SIGMOID_AT_ZERO = 0.5  # sigma(0): the gate value of an untrained DSMoE gate (Y = 0)
@@ -293,10 +311,12 @@ class SoftmaxTopKRouter(nn.Module):
         """Softmax probabilities of a linear score; the constant scale is the layer's ``expert_scale``."""
         return LinearForm(self.proj.weight.detach().double(), self.top_k, "softmax")
 
-    def forward(self, x: Tensor) -> Dispatch:
+    forward = top_k_dispatch
+
+    def choose(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = torch.softmax(self.proj(x).float(), dim=-1)  # p: (tokens, experts)
         weight, chosen = torch.topk(probs, self.top_k, dim=-1)  # (tokens, k)
-        return Dispatch.from_topk(chosen, weight.to(x.dtype), self.num_experts)
+        return chosen, weight.to(x.dtype)
 
 
 class ArgmaxRouter(nn.Module):
@@ -322,14 +342,16 @@ class ArgmaxRouter(nn.Module):
     def linear_form(self) -> LinearForm:
         return LinearForm(self.proj.weight.detach().double(), self.top_k, "unit")
 
-    def forward(self, x: Tensor) -> Dispatch:
+    forward = top_k_dispatch
+
+    def choose(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits = self.proj(x)
         chosen = logits.topk(self.top_k, dim=-1).indices
         weight = torch.ones(chosen.shape, dtype=x.dtype, device=x.device)
         if torch.is_grad_enabled() and self.proj.weight.requires_grad:  # straight-through: p - sg(p) is exactly 0
             p = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
             weight = weight + (p - p.detach()).to(x.dtype)
-        return Dispatch.from_topk(chosen, weight, self.num_experts)
+        return chosen, weight
 
 
 class RandomRouter(nn.Module):
@@ -357,9 +379,11 @@ class RandomRouter(nn.Module):
     def linear_form(self) -> LinearForm:
         return LinearForm(self.directions.detach().double(), self.top_k, "unit")
 
-    def forward(self, x: Tensor) -> Dispatch:
+    forward = top_k_dispatch
+
+    def choose(self, x: Tensor) -> tuple[Tensor, Tensor]:
         chosen = torch.topk(x.float() @ self.directions.float().T, self.top_k, dim=-1).indices
-        return Dispatch.from_topk(chosen, torch.ones_like(chosen, dtype=x.dtype), self.num_experts)
+        return chosen, torch.ones_like(chosen, dtype=x.dtype)
 
 
 ROUTERS: dict[str, type[nn.Module]] = {router.kind: router for router in (
