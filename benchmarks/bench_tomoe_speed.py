@@ -35,7 +35,7 @@ def main() -> None:
     adapter = DecoderAdapter(attention)
     for i in range(adapter.num_layers):
         router = HeadDimRouter(HIDDEN, 64, 128, top_k=32)
-        adapter.replace_attention_(i, pruned_attention(adapter.attention_module(i), rope_pairs(torch.arange(16), 64),
+        adapter.replace_attention_(i, pruned_attention(adapter, i, rope_pairs(torch.arange(16), 64),
                                                        router=router))
     with torch.no_grad():
         for name, model in (("dense", dense), ("tomoe_mlp", mlp), ("pruned_attention", attention)):

@@ -77,3 +77,23 @@ def test_a_decoding_step_on_cuda_runs_the_kernels_and_gives_the_grouped_paths_ou
         grouped = layer(x)
     torch.testing.assert_close(fast, grouped, atol=2e-2, rtol=2e-2)  # one rounding of h fewer
     torch.testing.assert_close(compiled, fast, atol=2e-2, rtol=2e-2)
+
+
+POINTER_TYPES = {"choice_ptr": "*i64", "bias_ptr": "*fp32", "u_ptr": "*fp32"}  # the others: the working dtype
+
+
+@needs_triton
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_kernels_compile_for_a_hopper_gpu_without_one(top_k):
+    """What the interpreter does not check: that triton's compiler takes the kernels (types of both branches,
+    constexpr arguments), for sm_90 in bfloat16, without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = {"K": top_k, "ACT": 0, "ROWS": 16, "COLUMNS": 256, "BLOCK_E": 8, "SIGNED": False}
+    for kernel in (few_pairs._first, few_pairs._down, few_pairs._representative):
+        names = kernel.arg_names
+        signature = {n: "constexpr" if n.isupper() else POINTER_TYPES.get(n, "*bf16") if n.endswith("_ptr") else "i32"
+                     for n in names}
+        source = ASTSource(fn=kernel, signature=signature, constexprs={n: constants[n] for n in names if n.isupper()})
+        assert "ld.global" in few_pairs.triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

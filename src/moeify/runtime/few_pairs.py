@@ -33,11 +33,14 @@ DOWN_ROWS, DOWN_COLUMNS = 16, 256    # ... of a token's output rows (d of them),
 ROUTER_COLUMNS = 256                 # the representative router's step over d
 
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what they sum in float32 without losing precision
+
+
 def applies(x: Tensor, pairs: int, num_experts: int, act_name: str, gated: bool, biased: bool) -> bool:
-    """Whether the kernels compute this forward: a CUDA tensor, at most one pair per expert on average, a
-    gated MLP without biases whose activation they know, triton installed."""
-    return (triton is not None and x.is_cuda and pairs <= num_experts and gated and not biased
-            and act_name in ACTIVATIONS)
+    """Whether the kernels compute this forward: a CUDA tensor of a dtype above, at most one pair per expert
+    on average, a gated MLP without biases whose activation they know, triton installed."""
+    return (triton is not None and x.is_cuda and x.dtype in DTYPES and pairs <= num_experts and gated
+            and not biased and act_name in ACTIVATIONS)
 
 
 def moe_output(x: Tensor, choice: Tensor, weight: Tensor, first: Tensor, down: Tensor,
@@ -48,9 +51,8 @@ def moe_output(x: Tensor, choice: Tensor, weight: Tensor, first: Tensor, down: T
     tokens, k = choice.shape
     d, width = x.shape[1], first.shape[1] // 2
     shared_width = 0 if shared is None else shared[0].shape[0]
-    gate_s, up_s, down_s = (t.contiguous() for t in shared) if shared is not None else (first, first, down)
-    x, choice, weight = x.contiguous(), choice.contiguous(), weight.contiguous()
-    first, down = first.contiguous(), down.contiguous()
+    gate_s, up_s, down_s = shared if shared is not None else (first, first, down)  # the packed copy's: contiguous
+    x = x.contiguous()
     h = x.new_empty(tokens * k, width)
     h_shared = x.new_empty(tokens, max(shared_width, 1))
     programs = tokens * k + (tokens if shared is not None else 0)
@@ -72,9 +74,9 @@ def representative_choice(x: Tensor, gate: Tensor, up: Tensor, bias: Tensor, u: 
     experts = gate.shape[0]
     choice = torch.empty(tokens, k, dtype=torch.long, device=x.device)
     weight = x.new_empty(tokens, k)
-    _representative[(tokens,)](x.contiguous(), gate.contiguous(), up.contiguous(), bias.contiguous(), u.contiguous(),
-                               choice, weight, d, experts, K=k, BLOCK_E=triton.next_power_of_2(experts),
-                               ACT=ACTIVATIONS[act_name], SIGNED=signed, COLUMNS=ROUTER_COLUMNS)
+    _representative[(tokens,)](x.contiguous(), gate, up, bias, u, choice, weight, d, experts, K=k,
+                               BLOCK_E=triton.next_power_of_2(experts), ACT=ACTIVATIONS[act_name], SIGNED=signed,
+                               COLUMNS=ROUTER_COLUMNS)
     return choice, weight
 
 
