@@ -23,8 +23,6 @@ INTERPRETED = textwrap.dedent("""
     import torch
     from moeify.runtime import few_pairs
     from tests.unit.test_few_pairs import cmoe_like_layer
-    grouped = few_pairs.applies
-    kernels = lambda x, pairs, experts, act, gated, biased: pairs <= experts and gated and not biased
     torch.manual_seed(1)
     for act in few_pairs.ACTIVATIONS:
         for top_k, shared, score in ((1, True, "abs"), (2, True, "signed"), (3, False, "abs")):
@@ -33,9 +31,9 @@ INTERPRETED = textwrap.dedent("""
             torch.nn.init.normal_(layer.router.bias, std=0.01)
             x = torch.randn(1, 3 - top_k // 2, 72)  # widths and d no multiple of the kernels' blocks
             with torch.no_grad():
-                few_pairs.applies = kernels
+                few_pairs.DEVICES = ("cpu",)
                 fast, choice = layer(x), layer.router.choose(x[0])
-                few_pairs.applies = grouped
+                few_pairs.DEVICES = ()
                 reference, expected = layer(x), layer.router.choose(x[0])
             assert torch.equal(choice[0], expected[0]), (act, top_k)
             torch.testing.assert_close(choice[1], expected[1], atol=1e-6, rtol=1e-6)
@@ -73,7 +71,7 @@ def test_a_decoding_step_on_cuda_runs_the_kernels_and_gives_the_grouped_paths_ou
     with torch.no_grad():
         fast = layer(x)
         compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
-        monkeypatch.setattr(few_pairs, "applies", lambda *args: False)
+        monkeypatch.setattr(few_pairs, "DEVICES", ())
         grouped = layer(x)
     torch.testing.assert_close(fast, grouped, atol=2e-2, rtol=2e-2)  # one rounding of h fewer
     torch.testing.assert_close(compiled, fast, atol=2e-2, rtol=2e-2)

@@ -34,13 +34,14 @@ ROUTER_COLUMNS = 256                 # the representative router's step over d
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what they sum in float32 without losing precision
+DEVICES = ("cuda",)  # where they run (tests add "cpu" under triton's interpreter)
 
 
 def applies(x: Tensor, pairs: int, num_experts: int, act_name: str, gated: bool, biased: bool) -> bool:
-    """Whether the kernels compute this forward: a CUDA tensor of a dtype above, at most one pair per expert
-    on average, a gated MLP without biases whose activation they know, triton installed."""
-    return (triton is not None and x.is_cuda and x.dtype in DTYPES and pairs <= num_experts and gated
-            and not biased and act_name in ACTIVATIONS)
+    """Whether the kernels compute this forward: a tensor on a device above, of a dtype above, at most one
+    pair per expert on average, a gated MLP without biases whose activation they know, triton installed."""
+    return (triton is not None and x.device.type in DEVICES and x.dtype in DTYPES and pairs <= num_experts
+            and gated and not biased and act_name in ACTIVATIONS)
 
 
 def moe_output(x: Tensor, choice: Tensor, weight: Tensor, first: Tensor, down: Tensor,

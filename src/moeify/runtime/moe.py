@@ -194,6 +194,7 @@ class MoeMLP(nn.Module):
         return self._packed[1]
 
     def _pack(self) -> PackedExperts:
+        """A new packed copy: gathered from the union where the experts share neurons, else stacked."""
         if self.shares_neurons:
             return PackedExperts.gathered(self.experts, self.shared, self.router.expert_scale, self.packed_widths)
         return PackedExperts.from_experts(list(self.experts), self.shared, self.router.expert_scale,

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from . import few_pairs
+from .few_pairs import applies as kernels_apply, moe_output
 from .experts import ExpertMLP, SharedNeuronExperts
 from .dispatch import Dispatch
 
@@ -159,13 +159,13 @@ class PackedExperts:
 
     def runs_few_pairs(self, x: Tensor, pairs: int) -> bool:
         """Whether ``few_pairs_output`` computes a forward of ``pairs`` (token, expert) pairs on ``x``."""
-        return few_pairs.applies(x, pairs, self.first.shape[0], self.act_name, self.gated, self.first_bias is not None)
+        return kernels_apply(x, pairs, self.first.shape[0], self.act_name, self.gated, self.first_bias is not None)
 
     def few_pairs_output(self, x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
         """The layer's output for a top-k router's ``choice`` and ``weight`` (tokens, k), shared part included:
         ``few_pairs``' kernels (a decoding step on a GPU)."""
         shared = None if self.shared is None else (self.shared[0], self.shared[1], self.shared[4])
-        return few_pairs.moe_output(x, choice, weight, self.first, self.down, shared, self.act_name)
+        return moe_output(x, choice, weight, self.first, self.down, shared, self.act_name)
 
     def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:
         """Every (token, expert) pair's weighted expert output, (pairs, d), in the dispatch's order. The

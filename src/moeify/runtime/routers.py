@@ -21,9 +21,9 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from . import few_pairs
 from .dispatch import Dispatch
 from .experts import HiddenNeurons
+from .few_pairs import applies as kernels_apply, representative_choice
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,9 @@ class RepresentativeRouter(nn.Module):
     def choose(self, x: Tensor) -> tuple[Tensor, Tensor]:
         n = self.neurons
         if (not torch.is_grad_enabled() and type(n.up) is nn.Linear and type(n.gate) is nn.Linear
-                and few_pairs.applies(x, x.shape[0] * self.top_k, self.num_experts, n.act_name, n.gated,
+                and kernels_apply(x, x.shape[0] * self.top_k, self.num_experts, n.act_name, n.gated,
                                       n.up.bias is not None)):  # a decoding step on a GPU: one kernel
-            return few_pairs.representative_choice(x, n.gate.weight, n.up.weight, self.bias, self.u, self.top_k,
+            return representative_choice(x, n.gate.weight, n.up.weight, self.bias, self.u, self.top_k,
                                                    n.act_name, signed=self.score == "signed")
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
         chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # Eq. 32
