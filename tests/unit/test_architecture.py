@@ -118,8 +118,9 @@ def test_a_base_install_has_every_package_moeify_imports():
     """``pip install moeify`` (no extras) must run every command: each third-party package the source imports
     is a base dependency in pyproject.toml, except lm-eval (the ``eval`` extra), imported only by the
     harness bridge, which names the extra when it is missing, vLLM, imported only by the serving
-    check's child process, which runs in vLLM's own environment (benchmarks/make_vllm_venv.sh), and
-    llama-cpp-python, one of the two quantisers a k-quant GGUF export may use, named when both are missing."""
+    check's child process, which runs in vLLM's own environment (benchmarks/make_vllm_venv.sh),
+    llama-cpp-python, one of the two quantisers a k-quant GGUF export may use, named when both are missing,
+    and triton, which CUDA builds of torch bring: without it a decoding step takes the grouped path."""
     from importlib.metadata import packages_distributions
 
     import tomllib
@@ -139,7 +140,7 @@ def test_a_base_install_has_every_package_moeify_imports():
     missing = {top: sorted(paths) for top, paths in imported.items()
                if not {d.lower() for d in distributions.get(top, [top])} & base}
     assert missing == {"lm_eval": ["moeify/evaluation/harness.py"], "vllm": ["moeify/evaluation/serving.py"],
-                       "llama_cpp": ["moeify/export/gguf/quantize.py"]}
+                       "llama_cpp": ["moeify/export/gguf/quantize.py"], "triton": ["moeify/runtime/few_pairs.py"]}
     assert "lm-eval" in " ".join(project["optional-dependencies"]["eval"])
 
 
@@ -187,10 +188,12 @@ def test_the_help_names_every_supported_family():
 
 def test_the_runtime_copied_beside_converted_models_imports_only_torch_transformers_and_itself():
     """A converted folder loads with trust_remote_code and without moeify installed: the runtime files
-    copied into it may import the standard library, torch, transformers and each other only."""
+    copied into it may import the standard library, torch, transformers and each other only, and triton
+    where its absence is caught (few_pairs: the grouped path then runs)."""
     from moeify.export.native import RUNTIME_FILES
 
     allowed = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
+    optional = {"few_pairs.py": {"triton"}}
     for name in RUNTIME_FILES:
         tree = ast.parse((SOURCE / "runtime" / name).read_text())
         for node in ast.walk(tree):
@@ -200,4 +203,4 @@ def test_the_runtime_copied_beside_converted_models_imports_only_torch_transform
                 roots = [(node.module or "").split(".")[0]]
             else:
                 continue
-            assert set(roots) <= allowed, f"runtime/{name}:{node.lineno} imports {roots}"
+            assert set(roots) <= allowed | optional.get(name, set()), f"runtime/{name}:{node.lineno} imports {roots}"
