@@ -31,8 +31,6 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}  # ACT2FN names the
 FIRST_ROWS, FIRST_COLUMNS = 8, 512   # a program's block of one pair's gate/up rows, and its step over d
 DOWN_ROWS, DOWN_COLUMNS = 16, 256    # ... of a token's output rows (d of them), and its step over the widths
 ROUTER_COLUMNS = 256                 # the representative router's step over d
-
-
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what they sum in float32 without losing precision
 DEVICES = ("cuda",)  # where they run (tests add "cpu" under triton's interpreter)
 
@@ -112,18 +110,8 @@ if triton is not None:
             up_rows = up_s_ptr
             out = hs_ptr + token * shared_width
         live = rows < rows_of
-        offsets = rows.to(tl.int64)[:, None] * d
-        gate = tl.zeros((ROWS,), dtype=tl.float32)
-        up = tl.zeros((ROWS,), dtype=tl.float32)
-        for start in range(0, d, COLUMNS):
-            columns = start + tl.arange(0, COLUMNS)
-            inside = columns < d
-            xs = tl.load(x_ptr + token * d + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
-            both = live[:, None] & inside[None, :]
-            g = tl.load(gate_rows + offsets + columns[None, :], mask=both, other=0.0).to(tl.float32)
-            gate += tl.sum(g * xs, axis=1)
-            v = tl.load(up_rows + offsets + columns[None, :], mask=both, other=0.0).to(tl.float32)
-            up += tl.sum(v * xs, axis=1)
+        gate = _rows_times(gate_rows, x_ptr + token * d, rows, live, d, COLUMNS)
+        up = _rows_times(up_rows, x_ptr + token * d, rows, live, d, COLUMNS)
         tl.store(out + rows, (_activation(gate, ACT) * up).to(h_ptr.dtype.element_ty), mask=live)
 
     @triton.jit

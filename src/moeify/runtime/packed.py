@@ -164,7 +164,10 @@ class PackedExperts:
     def few_pairs_output(self, x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
         """The layer's output for a top-k router's ``choice`` and ``weight`` (tokens, k), shared part included:
         ``few_pairs``' kernels (a decoding step on a GPU)."""
-        shared = None if self.shared is None else (self.shared[0], self.shared[1], self.shared[4])
+        shared = None
+        if self.shared is not None:
+            gate, up, _, _, down = self.shared  # no biases where the kernels run
+            shared = (gate, up, down)
         return moe_output(x, choice, weight, self.first, self.down, shared, self.act_name)
 
     def routed_output(self, x: Tensor, dispatch: Dispatch) -> Tensor:

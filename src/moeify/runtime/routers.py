@@ -132,7 +132,7 @@ class RepresentativeRouter(nn.Module):
         n = self.neurons
         if (not torch.is_grad_enabled() and type(n.up) is nn.Linear and type(n.gate) is nn.Linear
                 and kernels_apply(x, x.shape[0] * self.top_k, self.num_experts, n.act_name, n.gated,
-                                      n.up.bias is not None)):  # a decoding step on a GPU: one kernel
+                                  n.up.bias is not None)):  # a decoding step on a GPU: one kernel
             return representative_choice(x, n.gate.weight, n.up.weight, self.bias, self.u, self.top_k,
                                                    n.act_name, signed=self.score == "signed")
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
