@@ -71,6 +71,7 @@ TABLES = (
     Table("compare_recovery_transfer", "docs/results.md", ("compare_recovery.py", "--transfer", "--markdown")),
     Table("bench_recovery", "docs/results.md", ("bench_recovery.py", "--markdown")),
     Table("bench_speed", "docs/results.md", ("bench_speed.py", "--markdown")),
+    Table("bench_tomoe_speed", "docs/results.md", ("bench_tomoe_speed.py", "--markdown")),
     Table("bench_export_layout", "docs/results.md", ("bench_export_layout.py", "--markdown")),
     Table("bench_convert_layer", "docs/results.md", ("bench_convert_layer.py", "--markdown")),
     Table("bench_bf16_before", "docs/scaling.md", ("bench_bf16.py", "--markdown", "before")),

@@ -12,6 +12,7 @@ from moeify.runtime.attention import HeadDimRouter
 from tests.helpers.conversion import assert_cached_generation_equals_uncached, clone
 from tests.helpers.remote import logits_without_moeify
 from tests.helpers.tiny_models import STORIES_VOCAB, tiny_model
+from tests.unit.test_moe_layer import CountedOperations
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0))
 HD = 16  # tiny models: hidden 64, 4 heads
@@ -73,6 +74,29 @@ def test_static_and_routed_pruning_equal_masked_dense_attention(family):
     with torch.no_grad():
         assert torch.allclose(model(IDS).logits, expected, atol=1e-5, rtol=0)
     assert not torch.allclose(expected, tiny_model(family)(IDS).logits, atol=1e-3)  # pruning did something
+
+
+def test_queries_keys_and_values_of_two_widths_run_the_fused_attention_kernel():
+    """Values (3 dimensions) narrower than queries/keys (8), and routed values (16) wider: both run SDPA's fused
+    kernel (the widths padded to one), not its unfused math, and give the masked dense attention's logits."""
+    dense = tiny_model("llama", **STORIES_VOCAB)
+    qk_half, vo = torch.tensor([0, 3, 4, 6]), torch.tensor([2, 5, 9])
+    qk_mask = torch.zeros(HD).index_fill(0, rope_pairs(qk_half, HD), 1.0)
+    vo_mask = torch.zeros(HD).index_fill(0, vo, 1.0)
+    handles = _masking_hooks(dense, qk_mask, [lambda x: vo_mask.expand(*x.shape[:-1], HD)] * 2)
+    with torch.no_grad():
+        expected = dense(IDS).logits
+    for h in handles:
+        h.remove()
+    narrow = clone(dense)
+    _prune(narrow, qk_half, vo=vo)
+    for model in (narrow, routed_model()):
+        counted = CountedOperations()
+        with torch.no_grad(), counted:
+            model(IDS)
+        assert counted.operations["_scaled_dot_product_flash_attention_for_cpu"] == 2
+        assert "_safe_softmax" not in counted.operations  # the unfused math path's softmax
+    assert torch.allclose(narrow(IDS).logits, expected, atol=1e-5, rtol=0)
 
 
 def routed_model():

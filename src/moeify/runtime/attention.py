@@ -40,6 +40,18 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _one_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Query, key and value zero-padded to one head width (the wider of q/k and v). Fused attention kernels
+    (SDPA's flash and memory-efficient ones, FlashAttention) take one width for all three; with two, SDPA
+    falls back to its unfused math (scores materialised, the causal mask built), slower on a CPU
+    (``benchmarks/bench_tomoe_speed.py``) as on a GPU. Zero dimensions add nothing to a score, and
+    the output's padded dimensions are zero and cut off, so the attention computes the same function; the
+    cache then holds keys as wide as the values, no wider than the dense model's."""
+    width = max(q.shape[-1], v.shape[-1])
+    pad = lambda t: t if t.shape[-1] == width else nn.functional.pad(t, (0, width - t.shape[-1]))  # noqa: E731
+    return pad(q), pad(k), pad(v)
+
+
 class HeadDimRouter(nn.Module):
     """ToMoE's Eq. 5 after conversion: Proj_D(Proj_E(x) + mean expert embedding) -> the top-K head
     dimensions per token. The mean expert embedding lives in ``proj_e``'s bias (§3.5); Proj_D is
@@ -134,6 +146,8 @@ class PrunedAttention(nn.Module):
         kept = None if self.router is None else self._kept(hidden_states)  # (b, t, 1, head_dim) 0/1
         v = self.v_proj(hidden_states).view(b, t, self.num_kv_heads, -1)
         v = (v if kept is None else v * kept).transpose(1, 2)
+        vo = v.shape[-1]
+        q, k, v = _one_width(q, k, v)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
@@ -141,7 +155,7 @@ class PrunedAttention(nn.Module):
             from transformers.models.llama.modeling_llama import eager_attention_forward as interface
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                  sliding_window=self.sliding_window, **kwargs)
-        out = out.reshape(b, t, self.num_heads, -1)
+        out = out[..., :vo].reshape(b, t, self.num_heads, -1)  # transformers' interfaces return (b, t, heads, dims)
         return self.o_proj((out if kept is None else out * kept).reshape(b, t, -1)), weights
 
     def _kept(self, x: Tensor) -> Tensor:
