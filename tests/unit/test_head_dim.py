@@ -36,6 +36,16 @@ def _masking_hooks(model, qk_mask, vo_masks):
     return handles
 
 
+def _masked_dense_logits(dense, qk_mask, vo_masks):
+    """The dense model's logits with the pruned dimensions zeroed by ``_masking_hooks`` (removed after)."""
+    handles = _masking_hooks(dense, qk_mask, vo_masks)
+    with torch.no_grad():
+        logits = dense(IDS).logits
+    for h in handles:
+        h.remove()
+    return logits
+
+
 def _prune(model, qk_half, routers=None, vo=None):
     adapter = DecoderAdapter(model)
     for i in range(adapter.num_layers):
@@ -64,11 +74,7 @@ def test_static_and_routed_pruning_equal_masked_dense_attention(family):
     def routed(router):
         return lambda x: torch.zeros(*x.shape[:-1], HD).scatter(-1, router(x), 1.0)
 
-    handles = _masking_hooks(dense, qk_mask, [routed(r) for r in routers])
-    with torch.no_grad():
-        expected = dense(IDS).logits
-    for h in handles:
-        h.remove()
+    expected = _masked_dense_logits(dense, qk_mask, [routed(r) for r in routers])
     model = clone(dense)
     _prune(model, qk_half, routers=routers)
     with torch.no_grad():
@@ -83,11 +89,7 @@ def test_queries_keys_and_values_of_two_widths_run_the_fused_attention_kernel():
     qk_half, vo = torch.tensor([0, 3, 4, 6]), torch.tensor([2, 5, 9])
     qk_mask = torch.zeros(HD).index_fill(0, rope_pairs(qk_half, HD), 1.0)
     vo_mask = torch.zeros(HD).index_fill(0, vo, 1.0)
-    handles = _masking_hooks(dense, qk_mask, [lambda x: vo_mask.expand(*x.shape[:-1], HD)] * 2)
-    with torch.no_grad():
-        expected = dense(IDS).logits
-    for h in handles:
-        h.remove()
+    expected = _masked_dense_logits(dense, qk_mask, [lambda x: vo_mask.expand(*x.shape[:-1], HD)] * 2)
     narrow = clone(dense)
     _prune(narrow, qk_half, vo=vo)
     for model in (narrow, routed_model()):
