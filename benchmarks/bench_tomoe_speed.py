@@ -59,7 +59,8 @@ def markdown(out: Path) -> str:
     lines = ["| run | label | model | APR | prefill tokens/s (4 x 512) | x dense |", "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "-" if r["model"] == "dense" else f"{r['prefill_tokens_per_s'] / dense[r['run']]:.2f}x"
-        lines.append(f"| {r['run']} | {r['label']} | {r['model']} | {r['apr']} | {r['prefill_tokens_per_s']} | {ratio} |")
+        cells = (r["run"], r["label"], r["model"], r["apr"], r["prefill_tokens_per_s"], ratio)
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
