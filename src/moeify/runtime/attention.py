@@ -46,7 +46,7 @@ def _one_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]
     falls back to its unfused math (scores materialised, the causal mask built), slower on a CPU
     (``benchmarks/bench_tomoe_speed.py``) as on a GPU. Zero dimensions add nothing to a score, and
     the output's padded dimensions are zero and cut off, so the attention computes the same function; the
-    cache then holds keys as wide as the values, no wider than the dense model's."""
+    cache then holds keys and values of that one width, no wider than the dense model's heads."""
     width = max(q.shape[-1], v.shape[-1])
     pad = lambda t: t if t.shape[-1] == width else nn.functional.pad(t, (0, width - t.shape[-1]))  # noqa: E731
     return pad(q), pad(k), pad(v)

@@ -134,7 +134,7 @@ class RepresentativeRouter(nn.Module):
                 and kernels_apply(x, x.shape[0] * self.top_k, self.num_experts, n.act_name, n.gated,
                                   n.up.bias is not None)):  # a decoding step on a GPU: one kernel
             return representative_choice(x, n.gate.weight, n.up.weight, self.bias, self.u, self.top_k,
-                                                   n.act_name, signed=self.score == "signed")
+                                         n.act_name, signed=self.score == "signed")
         scores = torch.softmax(self.scores(x), dim=-1)  # s' (tokens, experts); Eq. 29
         chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # Eq. 32
         weight = (scores * self.u).gather(-1, chosen).add_(1.0)  # g_i = 1 + s'_i u_i; Eq. 28
