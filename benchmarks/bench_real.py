@@ -214,12 +214,21 @@ def measure_speed(out: Path, models: Path, names: list[str]) -> None:
         folder = models / row["row"]
         if row["row"] not in names or row["method"] == "dense" or not folder.is_dir():
             continue
-        row["speed"] = benchmark_pair(dense.eval(), moeify.load(folder), [(1, 256), (8, 256)], [8], prompt_len=256,
-                                      new_tokens=16, repeats=3)
+        speed = benchmark_pair(dense.eval(), moeify.load(folder), [(1, 256), (8, 256)], [8], prompt_len=256,
+                               new_tokens=16, repeats=3) | {"commit": _commit()}
+        # every pass kept: one pass's ratios move by up to a third on this CPU
+        row["speed_passes"] = row.get("speed_passes", [row["speed"]] if row.get("speed") else []) + [speed]
+        row["speed"] = speed
         print(json.dumps({"row": row["row"], "speedups": _speedups(row)}), flush=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(out)  # atomic: a killed pass leaves the file whole
+
+
+def _commit() -> str:
+    """The checkout's commit, so that a row says which moeify measured it."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                          capture_output=True, text=True).stdout.strip()
 
 
 def _done(out: Path) -> dict[str, dict[str, Any]]:
@@ -243,6 +252,11 @@ def _speedups(row: dict[str, Any]) -> str:
     return f"{prefill} / {(decode[-1] if isinstance(decode, list) else decode)['speedup']:.2f}"
 
 
+def _passes(row: dict[str, Any]) -> str:
+    """The speed-ups of every speed pass of ``row``, first to last."""
+    return "; ".join(_speedups({"speed": speed}) for speed in row.get("speed_passes", [row.get("speed")]))
+
+
 def markdown(rows: dict[str, dict[str, Any]]) -> str:
     dense = rows.get("dense", {}).get("ppl")
     lines = ["| row | method | options | APR | PPL | x dense PPL | convert s | speed-up prefill b=1 / b=8 / decode |",
@@ -257,6 +271,22 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
         ratio = f"{r['ppl'] / dense:.2f}" if dense else "-"
         lines.append(f"| {name} | {r['method']} | {opts} | {r['apr']:.3f} | {r['ppl']:.2f} | {ratio} | "
                      f"{r.get('convert_s', 0):.0f} | {_speedups(r)} |")
+    return "\n".join(lines)
+
+
+def recheck(now: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]]) -> str:
+    """The rows of a re-run (``now``) beside the same rows of an earlier results file (``then``): perplexity,
+    APR and speed-ups, so that a re-run after the runtime changed shows what moved and what held."""
+    lines = ["| row | options then -> now (where they differ) | PPL then / now | APR then / now | speed-up then: "
+             "prefill b=1 / b=8 / decode | now (each pass) | now timed at |", "|---|---|---|---|---|---|---|"]
+    for name in ROWS:
+        if name in now and name in then:
+            was, new = then[name], now[name]
+            options = [", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items()) for r in (was, new)]
+            moved = "" if options[0] == options[1] else " -> ".join(options)
+            lines.append(f"| {name} | {moved} | {was['ppl']:.2f} / {new['ppl']:.2f} | {was['apr']:.3f} / "
+                         f"{new['apr']:.3f} | {_speedups(was)} | {_passes(new)} | "
+                         f"{(new.get('speed') or {}).get('commit', '-')} |")
     return "\n".join(lines)
 
 
@@ -307,16 +337,19 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true",
                         help="with --markdown: print the compact table instead, one row per method at APR "
                              f"{' and '.join(map(str, SUMMARY_APRS))} (the README's)")
+    parser.add_argument("--against", type=Path,
+                        help="with --markdown: the rows of --out beside the same rows of this earlier results file")
     parser.add_argument("--run-row", help=argparse.SUPPRESS)  # one row, in this process (the driver's child)
     parser.add_argument("--eval-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_row:
         print(json.dumps(run_row(args.run_row, args.eval_file, args.models)))
         return
-    if args.summary and not args.markdown:
-        parser.error("--summary goes with --markdown")
+    if (args.summary or args.against) and not args.markdown:
+        parser.error("--summary and --against go with --markdown")
     if args.markdown:
-        print((summary if args.summary else markdown)(_done(args.out)))
+        rows = _done(args.out)
+        print(recheck(rows, _done(args.against)) if args.against else (summary if args.summary else markdown)(rows))
         return
     names = list(ROWS) if args.rows == "all" else args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
@@ -339,7 +372,7 @@ def main() -> None:
                 print(f"{name}: failed\n{child.stderr[-3000:]}", file=sys.stderr)
                 continue
             row = json.loads(child.stdout.strip().splitlines()[-1])
-            row["eval_file"] = eval_file.name
+            row["eval_file"], row["commit"] = eval_file.name, _commit()
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps({k: row[k] for k in ("row", "ppl", "apr")} | {"speedups": _speedups(row)}), flush=True)

@@ -66,6 +66,9 @@ def _speed(results: str) -> tuple[str, ...]:
 TABLES = (
     Table("bench_real_summary", "README.md", ("bench_real.py", "--markdown", "--summary")),
     Table("bench_real", "docs/results.md", ("bench_real.py", "--markdown")),
+    Table("bench_real_recheck", "docs/results.md", ("bench_real.py", "--markdown", "--out",
+                                                    f"{RESULTS}/bench_real_recheck.jsonl", "--against",
+                                                    f"{RESULTS}/bench_real.jsonl")),
     Table("compare_recovery", "docs/results.md", ("compare_recovery.py", "--markdown")),
     Table("compare_recovery_losses", "docs/results.md", ("compare_recovery.py", "--run", "kd", "--markdown")),
     Table("compare_recovery_transfer", "docs/results.md", ("compare_recovery.py", "--transfer", "--markdown")),
