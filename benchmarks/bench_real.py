@@ -210,12 +210,13 @@ def measure_speed(out: Path, models: Path, names: list[str]) -> None:
 
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     dense, _ = load_model(str(MODEL))
+    commit = _commit()
     for row in rows:
         folder = models / row["row"]
         if row["row"] not in names or row["method"] == "dense" or not folder.is_dir():
             continue
         speed = benchmark_pair(dense.eval(), moeify.load(folder), [(1, 256), (8, 256)], [8], prompt_len=256,
-                               new_tokens=16, repeats=3) | {"commit": _commit()}
+                               new_tokens=16, repeats=3) | {"commit": commit}
         # every pass kept: one pass's ratios move by up to a third on this CPU
         row["speed_passes"] = row.get("speed_passes", [row["speed"]] if row.get("speed") else []) + [speed]
         row["speed"] = speed
@@ -257,6 +258,11 @@ def _passes(row: dict[str, Any]) -> str:
     return "; ".join(_speedups({"speed": speed}) for speed in row.get("speed_passes", [row.get("speed")]))
 
 
+def _options(row: dict[str, Any]) -> str:
+    """The row's conversion options as ``key=value`` pairs."""
+    return ", ".join(f"{k}={v}" for k, v in (row.get("options") or {}).items())
+
+
 def markdown(rows: dict[str, dict[str, Any]]) -> str:
     dense = rows.get("dense", {}).get("ppl")
     lines = ["| row | method | options | APR | PPL | x dense PPL | convert s | speed-up prefill b=1 / b=8 / decode |",
@@ -265,7 +271,7 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
         if name not in rows:
             continue
         r = rows[name]
-        opts = ", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items()) or "defaults"
+        opts = _options(r) or "defaults"
         if name in CALIB_MIXES:
             opts += ", calib=" + " + ".join(_calib_names(name))
         ratio = f"{r['ppl'] / dense:.2f}" if dense else "-"
@@ -282,8 +288,7 @@ def recheck(now: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]]) -> 
     for name in ROWS:
         if name in now and name in then:
             was, new = then[name], now[name]
-            options = [", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items()) for r in (was, new)]
-            moved = "" if options[0] == options[1] else " -> ".join(options)
+            moved = "" if _options(was) == _options(new) else f"{_options(was)} -> {_options(new)}"
             lines.append(f"| {name} | {moved} | {was['ppl']:.2f} / {new['ppl']:.2f} | {was['apr']:.3f} / "
                          f"{new['apr']:.3f} | {_speedups(was)} | {_passes(new)} | "
                          f"{(new.get('speed') or {}).get('commit', '-')} |")
@@ -360,6 +365,7 @@ def main() -> None:
         print(markdown(_done(args.out)))
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    commit = _commit()
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = write_eval_prefix(args.eval_chars, Path(tmp))
         for name in names:
@@ -372,7 +378,7 @@ def main() -> None:
                 print(f"{name}: failed\n{child.stderr[-3000:]}", file=sys.stderr)
                 continue
             row = json.loads(child.stdout.strip().splitlines()[-1])
-            row["eval_file"], row["commit"] = eval_file.name, _commit()
+            row["eval_file"], row["commit"] = eval_file.name, commit
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps({k: row[k] for k in ("row", "ppl", "apr")} | {"speedups": _speedups(row)}), flush=True)
