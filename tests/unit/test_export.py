@@ -14,7 +14,8 @@ from moeify.api import ConversionResult
 from moeify.files import OutputExistsError, OutputLockedError, atomic_dir, atomic_file, check_output_dir, output_lock
 from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
-from moeify.moe.accounting import moe_layers
+from moeify.arch import UnsupportedFamilyError
+from moeify.moe.accounting import activated_parameters, moe_layers
 from moeify.options import build_config
 from tests.helpers.remote import logits_without_moeify
 from tests.helpers.tiny_models import FAMILY_NAMES, STORIES_VOCAB, tiny_model
@@ -46,6 +47,8 @@ def test_save_then_load_gives_identical_logits(family, make_ctx, tokenizer, tmp_
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
         assert type(remote).__module__.startswith("transformers_modules")
         assert torch.equal(remote(IDS).logits, expected)
+        with pytest.raises(UnsupportedFamilyError, match=r"moeify\.load\(path\)"):
+            activated_parameters(remote)  # its classes are copies moeify cannot inspect: the error says so
         loaded = moeify.load(out)
         for layer in moe_layers(loaded):
             layer.router.u.zero_()  # undo the perturbation above: unit weights again

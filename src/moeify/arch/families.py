@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 MlpKind = Literal["gated", "fused_gated", "plain"]
 
 
+NATIVE_PREFIX = "moeify_"  # a native folder's model_type: the prefix, then the base family's
+
+
 class UnsupportedFamilyError(ValueError):
     """The model's ``config.model_type`` is not one moeify knows how to take apart."""
 
@@ -209,8 +212,14 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def family_for(config: PretrainedConfig) -> FamilySpec:
-    """The spec covering ``config.model_type``; ``UnsupportedFamilyError`` names the supported ones."""
+    """The spec covering ``config.model_type``; ``UnsupportedFamilyError`` names the supported ones. A
+    folder moeify saved, loaded through its copied code (``trust_remote_code``), runs with classes moeify
+    cannot inspect: the error says to load it with ``moeify.load``."""
     model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and model_type.startswith(NATIVE_PREFIX):
+        raise UnsupportedFamilyError(
+            f"model_type {model_type!r} is a model moeify converted, loaded through its own copied code "
+            "(trust_remote_code); moeify reads it loaded with moeify.load(path), which gives moeify's classes")
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from moeify.arch.families import NATIVE_PREFIX
 from moeify.files import MOEIFY_KEY
 from moeify.offload import layered_of
 from moeify.runtime import attention as runtime_attention
@@ -57,7 +58,7 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     config.update({
-        "model_type": f"moeify_{base_type}",
+        "model_type": f"{NATIVE_PREFIX}{base_type}",
         "architectures": ["MoeifyForCausalLM"],
         "auto_map": {"AutoConfig": "modeling_moeify.MoeifyConfig",
                      "AutoModelForCausalLM": "modeling_moeify.MoeifyForCausalLM"},
@@ -75,7 +76,7 @@ def save_native(model: PreTrainedModel, folder: Path, tokenizer: Any = None, met
     base_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
     (folder / "modeling_moeify.py").write_text(template.format(
         version=__version__, method=method or "moeify", config_class=type(model.config).__name__,
-        model_class=base_cls.__name__, model_type=f"moeify_{base_type}"))
+        model_class=base_cls.__name__, model_type=f"{NATIVE_PREFIX}{base_type}"))
 
 
 def is_native_folder(path: Path) -> bool:
