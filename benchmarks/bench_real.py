@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from results_file import git_commit  # this folder is on sys.path when run
+
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
@@ -210,7 +212,7 @@ def measure_speed(out: Path, models: Path, names: list[str]) -> None:
 
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     dense, _ = load_model(str(MODEL))
-    commit = _commit()
+    commit = git_commit()
     for row in rows:
         folder = models / row["row"]
         if row["row"] not in names or row["method"] == "dense" or not folder.is_dir():
@@ -224,12 +226,6 @@ def measure_speed(out: Path, models: Path, names: list[str]) -> None:
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(out)  # atomic: a killed pass leaves the file whole
-
-
-def _commit() -> str:
-    """The checkout's commit, so that a row says which moeify measured it."""
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                          capture_output=True, text=True).stdout.strip()
 
 
 def _done(out: Path) -> dict[str, dict[str, Any]]:
@@ -365,7 +361,7 @@ def main() -> None:
         print(markdown(_done(args.out)))
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    commit = _commit()
+    commit = git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         eval_file = write_eval_prefix(args.eval_chars, Path(tmp))
         for name in names:

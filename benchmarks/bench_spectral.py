@@ -24,7 +24,7 @@ import argparse
 import time
 from pathlib import Path
 
-from results_file import append_row, read_rows  # this folder is on sys.path when run
+from results_file import append_row, git_commit, read_rows  # this folder is on sys.path when run
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_spectral.jsonl"
 
@@ -64,8 +64,6 @@ def measure(n: int, r: int, tokens: int) -> dict:
 
 
 def measure_bound(n: int, r: int) -> dict:
-    import subprocess
-
     import numpy as np
     import torch
 
@@ -79,7 +77,7 @@ def measure_bound(n: int, r: int) -> dict:
     began = time.perf_counter()
     bound_cluster_sizes(labels, a, r, n // r, -(-n // r))
     seconds = time.perf_counter() - began
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     return {"bench": "size_bound", "n": n, "r": r, "seconds": round(seconds, 3), "commit": commit,
             "threads": torch.get_num_threads()}
 

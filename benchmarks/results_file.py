@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,3 +19,9 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Every row of ``path``, in the order they were measured."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def git_commit() -> str:
+    """The checkout's commit, so that a row says which moeify measured it."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                          capture_output=True, text=True).stdout.strip()
