@@ -37,7 +37,6 @@ from compare_recovery import BENCH_ARGS, BUDGETS, DEFAULT_RUN, EVAL_CHARS, RECOV
 from results_file import append_row, git_commit, read_rows
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_attention_sparsity.jsonl"
-TEAL_WINDOWS, TEAL_SEQ_LEN = 8, 2048  # TEAL's calibration (its defaults in moeify)
 
 
 def moeify_cli(*args: str) -> None:
@@ -53,6 +52,7 @@ def threshold_attention(source: Path, out: Path, sparsity: float) -> None:
     from moeify.api import ConversionResult
     from moeify.arch import DecoderAdapter
     from moeify.calibration.data import calibration_batches, read_text
+    from moeify.methods.teal import TealConfig
     from moeify.methods.teal.convert import magnitude_threshold, thresholded
 
     model, tokenizer = moeify.load_model(source)
@@ -63,10 +63,10 @@ def threshold_attention(source: Path, out: Path, sparsity: float) -> None:
     hooks = []
     for i in range(adapter.num_layers):
         for role, projection in adapter.attention_projections(i).items():
-            store = seen.setdefault((i, role == "o"), [])
             if role in ("q", "qkv", "o"):
+                store = seen.setdefault((i, role == "o"), [])
                 hooks.append(projection.register_forward_pre_hook(lambda _, a, s=store: s.append(a[0].detach())))
-    windows = calibration_batches(read_text(CALIB), tokenizer, TEAL_WINDOWS, TEAL_SEQ_LEN, 0)
+    windows = calibration_batches(read_text(CALIB), tokenizer, *TealConfig().calibration_windows(model.config), 0)
     with torch.no_grad():
         for window in windows:
             model(window[None], use_cache=False)
