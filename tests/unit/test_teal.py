@@ -96,6 +96,16 @@ def test_sparsity_range_is_checked():
         TealConfig(sparsity=1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [0.1234567, 0.30078125, 0.0])  # not a bfloat16 value, one, and no threshold
+def test_the_one_pass_cpu_path_zeroes_exactly_what_the_float32_comparison_does(dtype, t):
+    layer = ThresholdedLinear(64, 8, bias=True, sparsity=0.5, threshold=t).to(dtype)
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[0, :4] = torch.tensor([t, -t, t * 1.001, -t * 0.999]).to(dtype)  # on and around the cut-off
+    expected = torch.nn.functional.linear(x * (x.abs().float() > t), layer.weight, layer.bias)
+    assert torch.equal(layer(x), expected)
+
+
 def test_threshold_stays_float32_in_a_bfloat16_model():
     t = 0.1234567  # not a bfloat16 value: rounding it would move the kept share
     layer = ThresholdedLinear(4, 3, bias=False, sparsity=0.5, threshold=t).to(torch.bfloat16)
