@@ -14,15 +14,16 @@ the curve of the rows is drawn into ``docs/assets/``.
 do not outlive a working session on this machine, so a comparison longer than one is run a few methods at a time,
 each row saying its moeify version. ``--run refit`` runs CMoE and static pruning with the least-squares output
 refit (``refit_down=true``, not in the papers), the rest as the table's run, into its own results file; the
-table's ``--markdown`` adds its finished rows. ``--run lm`` runs the same comparison with the LM loss alone
-(``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and static pruning with distillation alone
+table's ``--markdown`` adds its finished rows, as it does those of ``--run attention``: CMoE with the refit and
+TEAL's thresholds on the attention at half (``attention_sparsity=0.5``), its MLP matched to what they leave.
+``--run lm`` runs the same comparison with the LM loss alone (``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and static pruning with distillation alone
 (``recover_lm_share=0``) and ``--run mix_b4`` CMoE and static pruning with half of each, each into its own
 results file, with the settings the comparison of the losses ran with (``LOSS_COMPARISON``); their
 ``--markdown`` sets each budget's perplexity of every loss side by side, and ``--transfer`` evaluates the
 dense model and the models of every loss on text and zero-shot tasks unlike the training text
 (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
-    python benchmarks/compare_recovery.py [--run mix|refit|mix_b4|lm|kd] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--run mix|refit|attention|mix_b4|lm|kd] [--out DIR] [--resume] [--methods a,b]
     python benchmarks/compare_recovery.py [--run ...] --collect [--out DIR]  # rows of a run going or stopped
     python benchmarks/compare_recovery.py [--run ...] --bench  # then, on a quiet CPU
     python benchmarks/compare_recovery.py [--run ...] --markdown
@@ -92,6 +93,9 @@ RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_reco
         "refit": Run(REFIT_METHODS, {"recover_lm_share": "0.5", **{f"{m}.refit_down": "true" for m in REFIT_METHODS}},
                      RESULTS / "compare_recovery_refit.jsonl", None, MODELS / "compare_apr0.5_refit",
                      RESULTS / "compare_recovery_refit_bench"),
+        "attention": Run(("cmoe",), {"recover_lm_share": "0.5", "cmoe.refit_down": "true",
+                                     "cmoe.attention_sparsity": "0.5"}, RESULTS / "compare_recovery_attention.jsonl",
+                         None, MODELS / "compare_apr0.5_attention", RESULTS / "compare_recovery_attention_bench"),
         "mix_b4": Run(("cmoe", "static_prune"), {"recover_lm_share": "0.5", **LOSS_COMPARISON},
                       RESULTS / "compare_recovery_mix_b4.jsonl", None, MODELS / "compare_apr0.5_mix_b4",
                       RESULTS / "compare_recovery_mix_b4_bench"),
@@ -144,11 +148,15 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], refit_rows: list[dict[str, Any]]) -> str:
-    """The table: the run's rows and the finished rows of the refit run (named ``METHOD + refit_down``), by
-    perplexity after the largest budget; the methods not run yet, or failed, after them."""
+def markdown(rows: list[dict[str, Any]], refit_rows: list[dict[str, Any]],
+             attention_rows: list[dict[str, Any]]) -> str:
+    """The table: the run's rows and the finished rows of the refit run (named ``METHOD + refit_down``) and of
+    the attention run (``+ attention_sparsity``), by perplexity after the largest budget; the methods not run
+    yet, or failed, after them."""
     finished = [(RUNS[DEFAULT_RUN], r["method"], r) for r in rows if "curve" in r]
     finished += [(RUNS["refit"], f"{r['method']} + refit_down", r) for r in refit_rows if "curve" in r]
+    finished += [(RUNS["attention"], f"{r['method']} + refit_down + attention_sparsity="
+                  f"{r['options']['attention_sparsity']}", r) for r in attention_rows if "curve" in r]
     budgets = [t for t, _ in finished[0][2]["curve"]] if finished else []
     head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
     lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up (8 x 256) | convert s | recovery s |",
@@ -316,7 +324,8 @@ def main() -> None:
 
 def table(run_name: str) -> str:
     """What ``--markdown`` prints for a run: a loss's, the losses side by side; else the table."""
-    return versus() if run_name in LOSSES else markdown(rows_of(RUNS[DEFAULT_RUN]), rows_of(RUNS["refit"]))
+    return versus() if run_name in LOSSES else markdown(*(rows_of(RUNS[name]) for name in (DEFAULT_RUN, "refit",
+                                                                                         "attention")))
 
 
 if __name__ == "__main__":

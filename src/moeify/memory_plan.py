@@ -53,7 +53,7 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16). ``layer_by_layer``: held
     a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows);
     ``shards``: per process of a training sharded over that many (``convert --fsdp`` under torchrun)."""
-    spec, config, recovery = method_configs(method, options)
+    spec, config, recovery, _ = method_configs(method, options)
     shape = model_shape(model)
     default = "bfloat16" if str(model) in PRESETS else None
     work_dtype = working_dtype_name(dtype, shape.config) if dtype is not None or default is None else default

@@ -30,6 +30,8 @@ from moeify.evaluation.record import read_record
 from moeify.files import OutputExistsError, atomic_file, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method
+from moeify.methods.attention_sparsity import ATTENTION_KEYS, AttentionSparsityOptions
+from moeify.moe.accounting import attention_share
 from moeify.options import build_config
 from moeify.recipes import Recipe
 from moeify.recipes.table import recipe_table, row_results
@@ -94,8 +96,13 @@ def _kept_options(method: str, attempts: list[dict[str, Any]], options: dict[str
     if recovers != bool(recovered) or (recovers and not _holds(recovered["options"], RecoveryOptions, recovery)):
         return None
     config_cls = get_method(method).config_cls
-    return next((asked for asked in ({**matched, **options} for matched in attempts)
-                 if _holds(record["config"], config_cls, asked)), None)
+
+    def holds(asked: dict[str, Any]) -> bool:
+        thresholds = {key: asked[key] for key in asked if key in ATTENTION_KEYS}
+        return (_holds(record["config"], config_cls, {k: v for k, v in asked.items() if k not in thresholds})
+                and _holds(record["config"], AttentionSparsityOptions, thresholds))
+
+    return next((asked for asked in ({**matched, **options} for matched in attempts) if holds(asked)), None)
 
 
 def _resume_flags(method: Method, work: Path) -> dict[str, Any]:
@@ -155,13 +162,25 @@ def _run_method(run: MethodRun, threads: int | None = None) -> dict[str, Any]:
     return summary
 
 
-def _runs(methods: list[str], active: float, adapter: DecoderAdapter,
-          recipe: Recipe | None) -> list[tuple[str, str, list[dict[str, Any]], str]]:
+def _runs(methods: list[str], active: float, adapter: DecoderAdapter, recipe: Recipe | None,
+          options: dict[str, dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]], str]]:
     """(method, row name, option sets to try, how they were chosen) of every conversion: each method matched
-    to APR ``active``, or each row of ``recipe`` with its options."""
+    to APR ``active`` (its own budget to what the attention thresholds of its ``options`` leave it), or each row
+    of ``recipe`` with its options."""
     if recipe is not None:
         return [(row.method, row.name, [row.options], f"{recipe.source}: {row.label}") for row in recipe.runs]
-    return [(method, method, *matched_options(get_method(method), active, adapter)) for method in methods]
+    runs = []
+    for method in methods:
+        asked = options.get(method, {})
+        thresholds = build_config(AttentionSparsityOptions, {k: v for k, v in asked.items() if k in ATTENTION_KEYS})
+        if not thresholds.enabled:
+            runs.append((method, method, *matched_options(get_method(method), active, adapter)))
+            continue
+        own = thresholds.apr_for_method(active, attention_share(adapter))
+        attempts, how = matched_options(get_method(method), own, adapter)
+        runs.append((method, method, attempts, f"{how} (APR {own:.3f} with the attention whole; attention "
+                                               f"thresholded at {thresholds.attention_sparsity})"))
+    return runs
 
 
 def run_comparison(model: str | None, methods: list[str], active: float, out: Path, *,
@@ -199,7 +218,7 @@ def run_comparison(model: str | None, methods: list[str], active: float, out: Pa
             prepare_teacher_cache(dense, tokenizer, read_corpus(calib or EMBEDDED_CALIB), config,
                                   identity=recovery_identity(model), seed=seed, cache_dir=out / "teacher_cache",
                                   device=device, progress=progress)
-    planned = _runs(methods, active, adapter, recipe)
+    planned = _runs(methods, active, adapter, recipe, options or {})
     row_options = {name: (options or {}).get(name, {}) for _, name, _, _ in planned}
     if not (resume and all(_kept_options(method, attempts, row_options[name], recovery, out / name) is not None
                            for method, name, attempts, _ in planned)):

@@ -27,6 +27,7 @@ from moeify.files import atomic_dir, check_free_disk, check_output_dir
 from moeify.loading import check_device, converted_method, load_config, load_model, working_dtype
 from moeify.memory_plan import check_fits, method_plan
 from moeify.methods import DEFAULT_METHOD, METHODS, Conversion, ConversionContext, Method, method_configs
+from moeify.methods.attention_sparsity import AttentionSparsityOptions, threshold_attention
 from moeify.moe.accounting import activated_parameters, nominal_activated_parameters, paper_ratio, tracking_routing
 from moeify.moe.routing import routing_summary
 from moeify.offload import layered_of
@@ -76,6 +77,7 @@ class _Request:
     spec: Method
     config: Any
     recovery: RecoveryOptions
+    attention: AttentionSparsityOptions
     model_config: PreTrainedConfig
     calib: Corpus
     evals: list[TextSource]
@@ -92,7 +94,7 @@ class _Request:
 def _validated(model: str | Path | None, method: str, options: dict[str, Any] | None,
                calib: str | Path | list[str | Path] | None, eval: str | Path | list[str | Path] | None,
                eval_seq_len: int | None, device: str, layer_by_layer: bool, measure_speed: bool) -> _Request:
-    spec, config, recovery = method_configs(method, options)
+    spec, config, recovery, attention = method_configs(method, options)
     calib_source = read_corpus(calib or EMBEDDED_CALIB)
     eval_sources = [read_text(e) for e in (eval if isinstance(eval, list) else [eval or EMBEDDED_EVAL])]
     warnings = [f"the calibration and evaluation texts are identical ({calib_source.name}): the perplexity is "
@@ -113,7 +115,7 @@ def _validated(model: str | Path | None, method: str, options: dict[str, Any] | 
     if not 2 <= seq_len <= context:
         raise OptionError(f"eval_seq_len={seq_len} is out of range; allowed: [2, {context}] (the model's context)")
     check_device(device)
-    request = _Request(model, spec, config, recovery, model_config, calib_source, eval_sources, seq_len,
+    request = _Request(model, spec, config, recovery, attention, model_config, calib_source, eval_sources, seq_len,
                        layer_by_layer, measure_speed and not layer_by_layer, warnings)
     if layer_by_layer:
         _check_layer_by_layer(request)
@@ -168,8 +170,8 @@ def _recovered(request: _Request, moe: PreTrainedModel, tokenizer: Any, *, dtype
                                   seq_len=request.seq_len, seed=seed, device=device, work_dir=work_dir,
                                   cache_dir=None if teacher_cache is None else Path(teacher_cache),
                                   milestones=milestones, progress=progress,
-                                  refit=method_refit(request.spec, request.config, tokenizer, request.calib, seed=seed,
-                                                     device=device, progress=progress))
+                                  refit=method_refit(request.spec, request.config, request.attention, tokenizer,
+                                                     request.calib, seed=seed, device=device, progress=progress))
     return moe, {**recovered, "pre_recovery": pre}
 
 
@@ -211,6 +213,11 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     ctx = ConversionContext(dense, tokenizer, request.calib, seed, torch.device(device), progress, work)
     conversion, convert_s, scratch = _converted(request, ctx, work_dir)
     moe, recovery = conversion.model.eval(), None
+    details, timings = conversion.details, {"convert_s": convert_s}
+    if request.attention.enabled:
+        start = time.perf_counter()
+        details = {**details, "attention_sparsity": threshold_attention(replace(ctx, model=moe), request.attention)}
+        timings["attention_s"] = time.perf_counter() - start
     if request.recovery.enabled:
         moe, recovery = _recovered(request, moe, tokenizer, dtype=dtype, seed=seed, device=device, work_dir=work,
                                    milestones=recover_milestones, teacher_cache=teacher_cache, progress=progress)
@@ -218,8 +225,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     routing = routing_summary(moe)  # the evaluation pass tracked the routing
     measured = activated_parameters(moe, measured=True)
     nominal = nominal_activated_parameters(moe)
-    timings = {"convert_s": convert_s, **({} if recovery is None else {"recover_s": recovery["wall_s"]})}
-    details, artifacts = conversion.details, {**_routing_artifacts(routing), **conversion.artifacts}
+    timings.update({} if recovery is None else {"recover_s": recovery["wall_s"]})
+    artifacts = {**_routing_artifacts(routing), **conversion.artifacts}
     if request.spec.analyze is not None:  # after the common measurements: analyses may re-route and re-measure
         start = time.perf_counter()
         analysis = request.spec.analyze(replace(ctx, model=moe), request.config, request.evals, seq_len)
@@ -227,7 +234,7 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         timings["analysis_s"] = time.perf_counter() - start
     record = ConversionRecord(
         method=request.spec.name, paper=request.spec.paper, model=str(model or EMBEDDED_MODEL),
-        config={**vars(request.config), "seed": seed, "device": device, "layer_by_layer": layer_by_layer,
+        config={**vars(request.config), **vars(request.attention), "seed": seed, "device": device, "layer_by_layer": layer_by_layer,
                 "dtype": dtype_name(next(dense.parameters()).dtype), "processes": world_size(), "fsdp": fsdp()},
         data={"calib": {"name": request.calib.name, "sha256": request.calib.sha256},
               "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
@@ -245,6 +252,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
 def _check_layer_by_layer(request: _Request) -> None:
     """A layer-by-layer conversion needs a method that touches the model only a layer at a time."""
     spec = request.spec
+    if request.attention.enabled:
+        raise OptionError("attention_sparsity thresholds the converted model's attention as a whole, so it cannot "
+                          "run layer by layer")
     if request.recovery.enabled:
         raise OptionError("a recovery (recover_tokens) trains the whole model, so it cannot run layer by layer; "
                           "recover the saved conversion with moeify recover on a machine it fits")

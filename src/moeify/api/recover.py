@@ -3,9 +3,9 @@
 conversion (``moeify recover RUN``). The record keeps what the conversion measured before the recovery
 (``pre_recovery``), beside the recovery's tokens, wall time, trainable parameters, loss curve and the
 perplexity after each milestone. A method whose budget is a calibration of the weights (``Method.refit``: TEAL's
-thresholds, DSMoE's matched tau) is calibrated again after the recovery, so that the recovered model holds the
-budget it was converted at; the milestones' perplexities are measured before that, at the conversion's
-calibration. Returns values, prints nothing."""
+thresholds, DSMoE's matched tau), and the attention thresholds of ``attention_sparsity``, are calibrated again
+after the recovery, so that the recovered model holds the budget it was converted at; the milestones'
+perplexities are measured before that, at the conversion's calibration. Returns values, prints nothing."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from moeify.loading import load_config, load_model, working_dtype
 from moeify.memory_plan import check_fits, recovery_memory
 from moeify.methods import get_method
 from moeify.methods.base import ConversionContext, Method
+from moeify.methods.attention_sparsity import AttentionSparsityOptions, refit_attention
 from moeify.moe.accounting import ActiveParams, activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
 from moeify.planning import MethodMemory, ModelShape, plan_memory
@@ -83,14 +84,21 @@ def run_recovery(model: PreTrainedModel, tokenizer: Any, teacher: PreTrainedMode
                    "calib": {"name": calib.name, "sha256": calib.sha256}}
 
 
-def method_refit(method: Method, config: Any, tokenizer: Any, calib: Corpus, *, seed: int, device: str,
-                 progress: bool = False) -> Refit | None:
-    """``method``'s refit of a recovered model, on the conversion's text and seed (its calibration windows);
-    None for a method with nothing calibrated on the weights."""
-    if method.refit is None:
+def method_refit(method: Method, config: Any, attention: AttentionSparsityOptions, tokenizer: Any, calib: Corpus, *,
+                 seed: int, device: str, progress: bool = False) -> Refit | None:
+    """``method``'s refit of a recovered model, and the attention thresholds' (``attention``), on the conversion's
+    text and seed (its calibration windows); None where nothing is calibrated on the weights."""
+    if method.refit is None and not attention.enabled:
         return None
-    refit = method.refit
-    return lambda model: refit(ConversionContext(model, tokenizer, calib, seed, torch.device(device), progress), config)
+
+    def refit(model: PreTrainedModel) -> dict[str, Any] | None:
+        ctx = ConversionContext(model, tokenizer, calib, seed, torch.device(device), progress)
+        entry = None if method.refit is None else method.refit(ctx, config)
+        if attention.enabled:
+            entry = {**(entry or {}), "attention_sparsity": refit_attention(ctx, attention)}
+        return entry
+
+    return refit
 
 
 def prepare_teacher_cache(teacher: PreTrainedModel, tokenizer: Any, calib: Corpus,
@@ -147,7 +155,8 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     dense_quality = perplexity(dense, tokenizer, eval_source, seq_len)
     before, active_before = routed_perplexity(model, tokenizer, eval_source, seq_len)
     method = get_method(record.method)
-    refit = method_refit(method, _method_config(method, record.config), tokenizer, calib_source,
+    refit = method_refit(method, _recorded(method.config_cls, record.config),
+                         _recorded(AttentionSparsityOptions, record.config), tokenizer, calib_source,
                          seed=record.config.get("seed", 0), device=device, progress=progress)
     model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity=recovery_identity(teacher),
                                 eval_source=eval_source, seq_len=seq_len, seed=seed, device=device,
@@ -165,7 +174,8 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     return ConversionResult(model, tokenizer, new.as_dict())
 
 
-def _method_config(method: Method, recorded: dict[str, Any]) -> Any:
-    """The method's options as the run's record keeps them (beside the run's own settings: seed, device, ...)."""
-    names = {field.name for field in dataclasses.fields(method.config_cls)}
-    return build_config(method.config_cls, {key: value for key, value in recorded.items() if key in names})
+def _recorded(config_cls: type, recorded: dict[str, Any]) -> Any:
+    """Options of ``config_cls`` (a method's, the attention thresholds') as the run's record keeps them (beside the
+    run's own settings: seed, device, ...)."""
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    return build_config(config_cls, {key: value for key, value in recorded.items() if key in names})

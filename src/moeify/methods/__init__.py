@@ -3,6 +3,7 @@ here (``methods/<name>/``) that owns everything about it; registering it is one 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from moeify.methods.base import Analysis, Conversion, ConversionContext, Method
@@ -13,8 +14,9 @@ from moeify.methods.more import MORE
 from moeify.methods.random_split import RANDOM_SPLIT
 from moeify.methods.static_prune import STATIC_PRUNE
 from moeify.methods.teal import TEAL
+from moeify.methods.teal.config import ATTENTION_KEYS, AttentionSparsityOptions
 from moeify.methods.tomoe import TOMOE
-from moeify.options import build_config
+from moeify.options import OptionError, build_config
 from moeify.training.recovery_options import RecoveryOptions, split_recovery_options
 
 METHODS: tuple[Method, ...] = (CMOE, MORE, TOMOE, DSMOE, DENSE2MOE, STATIC_PRUNE, RANDOM_SPLIT, TEAL)  # baselines last
@@ -28,12 +30,20 @@ def get_method(name: str) -> Method:
     raise ValueError(f"unknown method {name!r}; available: {', '.join(m.name for m in METHODS)}")
 
 
-def method_configs(name: str, options: dict[str, Any] | None) -> tuple[Method, Any, RecoveryOptions]:
-    """The method ``name``, its config and the recovery's from one ``--set`` dictionary, validated; it imports
-    nothing heavy, so a command refuses a bad option at once."""
+def method_configs(name: str, options: dict[str, Any] | None
+                   ) -> tuple[Method, Any, RecoveryOptions, AttentionSparsityOptions]:
+    """The method ``name``, its config, the recovery's and the attention thresholds' from one ``--set``
+    dictionary, validated; it imports nothing heavy, so a command refuses a bad option at once."""
     method = get_method(name)
     method_options, recovery_options = split_recovery_options(options or {})
-    return method, build_config(method.config_cls, method_options), build_config(RecoveryOptions, recovery_options)
+    attention_options = {key: method_options.pop(key) for key in list(method_options) if key in ATTENTION_KEYS}
+    config = build_config(method.config_cls, method_options)
+    attention = build_config(AttentionSparsityOptions, attention_options)
+    if attention.enabled and not method.keeps_attention(config):
+        fix = " (attention=off keeps it whole)" if "attention" in {f.name for f in fields(config)} else ""
+        raise OptionError(f"attention_sparsity={attention.attention_sparsity}: {name} prunes or thresholds the "
+                          f"attention itself with these options{fix}; attention_sparsity thresholds a whole one")
+    return method, config, build_config(RecoveryOptions, recovery_options), attention
 
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "Analysis", "Conversion", "ConversionContext", "Method", "get_method",

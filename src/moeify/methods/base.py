@@ -124,7 +124,9 @@ class Method:
     hold a packed copy of their experts at inference (``runtime.moe``: routed experts; not a static
     pruning). ``layer_by_layer``: ``convert`` touches the model only
     through ``calibration.stream`` (training-free, no fine-tune), so it converts a model loaded layer by
-    layer (``moeify.offload``: larger than memory)."""
+    layer (``moeify.offload``: larger than memory). ``keeps_attention(config)``: the conversion with ``config``
+    leaves every attention projection a plain ``nn.Linear`` (neither pruned nor thresholded), so
+    ``attention_sparsity`` can threshold it."""
 
     name: str
     paper: str
@@ -142,6 +144,7 @@ class Method:
     memory: Callable[[ModelShape, Any, int], MethodMemory] = Deferred("moeify.planning", "method_memory")
     inference_copy: bool = True
     layer_by_layer: bool = False
+    keeps_attention: Callable[[Any], bool] = field(default=lambda _config: True)
 
     def run(self, ctx: ConversionContext, config: Any) -> Conversion:
         """Convert ``ctx.model`` and give its MoE layers the model-wide packed widths, as a load of the

@@ -44,6 +44,7 @@ STATIC_PRUNE = Method(
     memory=Deferred("moeify.methods.static_prune.memory", "memory"),
     inference_copy=False,
     layer_by_layer=True,
+    keeps_attention=lambda config: config.attention == "off",
 )
 
 __all__ = ["STATIC_PRUNE", "StaticPruneConfig"]

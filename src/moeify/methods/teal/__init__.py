@@ -42,6 +42,7 @@ TEAL = Method(
     match_budget=match_budget,
     inference_copy=False,
     layer_by_layer=True,
+    keeps_attention=lambda _config: False,
 )
 
 __all__ = ["TEAL", "TealConfig"]

@@ -1,8 +1,9 @@
 """TEAL's options: the target sparsity of every projection's inputs and the calibration that sets the
-thresholds."""
+thresholds; and its thresholds on the attention of any MoE conversion (``attention_sparsity``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from moeify.options import MethodOptions, method_config, option, require_at_most
@@ -32,3 +33,31 @@ def match_budget(apr: float, adapter: DecoderAdapter) -> tuple[list[dict[str, An
     (biases, always active, keep it a little above)."""
     sparsity = round(1.0 - apr, 4)
     return [{"sparsity": sparsity}], f"sparsity={sparsity}"
+
+
+@method_config
+class AttentionSparsityOptions:
+    """TEAL's thresholds on the attention of any MoE conversion (``convert --set attention_sparsity=S``): an MoE
+    keeps the attention whole, so at an APR it leaves its MLPs the rest of the budget; TEAL zeroes the small
+    inputs of every projection. With the attention's inputs thresholded at S, the attention frees S of its
+    share, which ``moeify compare`` gives the MLP (``apr_for_method``). The thresholds are TEAL's (its rule and
+    calibration windows), set after the method's conversion and calibrated again after a recovery."""
+
+    attention_sparsity: float = option(
+        0.0, "fraction of the attention projections' inputs zeroed after the conversion, by TEAL's magnitude "
+             "thresholds (0: the attention whole); for methods that keep the attention whole", low=0.0, high=0.99)
+
+    @property
+    def enabled(self) -> bool:
+        return self.attention_sparsity > 0
+
+    def calibration(self) -> TealConfig:
+        return TealConfig(sparsity=self.attention_sparsity)
+
+    def apr_for_method(self, apr: float, attention_share: float) -> float:
+        """The APR a method's own budget must reach (its attention counted whole) for the model to land at
+        ``apr`` once the thresholds free ``attention_sparsity`` of the attention's share."""
+        return apr + self.attention_sparsity * attention_share
+
+
+ATTENTION_KEYS = frozenset(f.name for f in dataclasses.fields(AttentionSparsityOptions))

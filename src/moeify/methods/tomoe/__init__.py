@@ -49,6 +49,7 @@ TOMOE = Method(
     match_budget=match_budget,
     runtime_options={"pseudo_moe": Deferred("moeify.methods.tomoe.pseudo_moe", "set_pseudo_moe")},
     memory=Deferred("moeify.methods.tomoe.memory", "memory"),
+    keeps_attention=lambda config: config.attention == "off",
 )
 
 __all__ = ["TOMOE", "TomoeConfig"]
