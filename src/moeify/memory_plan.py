@@ -8,11 +8,12 @@ their config read by transformers."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moeify.dtypes import DTYPE_BYTES, dtype_name, working_dtype_name
-from moeify.methods import Method, method_configs
+from moeify.methods import AttentionSparsityOptions, Method, attention_memory, method_configs
 from moeify.options import OptionError
 from moeify.planning import (
     FROZEN_IN_FLOAT32,
@@ -53,22 +54,28 @@ def plan(model: str | Path | None, method: str, options: dict[str, Any] | None =
     on ``device``; ``dtype`` defaults to the checkpoint's own (a preset's: bfloat16). ``layer_by_layer``: held
     a decoder layer at a time, evaluated on ``eval_tokens`` positions (default: one batch of windows);
     ``shards``: per process of a training sharded over that many (``convert --fsdp`` under torchrun)."""
-    spec, config, recovery, _ = method_configs(method, options)
+    spec, config, recovery, attention = method_configs(method, options)
     shape = model_shape(model)
     default = "bfloat16" if str(model) in PRESETS else None
     work_dtype = working_dtype_name(dtype, shape.config) if dtype is not None or default is None else default
     gguf = model is not None and str(model) not in PRESETS and model_source(model).gguf_file is not None
     return method_plan(shape, spec, config, work_dtype, eval_seq_len or shape.context, device, gguf,
-                       layer_by_layer, eval_tokens, shards, recovery)
+                       layer_by_layer, eval_tokens, shards, recovery, attention)
 
 
 def method_plan(shape: ModelShape, spec: Method, config: Any, dtype: str | torch.dtype, eval_seq_len: int, device: str,
                 gguf: bool, layer_by_layer: bool = False, eval_tokens: int | None = None,
-                shards: int = 1, recovery: RecoveryOptions | None = None) -> MemoryPlan:
-    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device`` (and
-    recovering it, where ``recovery`` asks for tokens); a CPU conversion of a safetensors checkpoint (not
-    ``gguf``, which is dequantised) keeps it memory-mapped."""
+                shards: int = 1, recovery: RecoveryOptions | None = None,
+                attention: AttentionSparsityOptions | None = None) -> MemoryPlan:
+    """The plan of converting ``shape`` with ``spec`` and its built ``config`` in ``dtype`` on ``device`` (then
+    thresholding its attention, where ``attention`` asks for it, and recovering it, where ``recovery`` asks for
+    tokens); a CPU conversion of a safetensors checkpoint (not ``gguf``, which is dequantised) keeps it
+    memory-mapped."""
     memory = spec.memory(shape, config, DTYPE_BYTES[dtype_name(dtype)])
+    if attention is not None and attention.enabled:  # after the method's calibration: the larger of the two
+        stage = attention_memory(shape, attention)
+        memory = replace(memory, calib_tokens=max(memory.calib_tokens, stage.calib_tokens),
+                         layer_statistics=max(memory.layer_statistics, stage.layer_statistics))
     on_cpu = str(device).split(":")[0] == "cpu"
     return plan_memory(shape, memory, dtype, eval_seq_len, inference_copy=spec.inference_copy,
                        mapped=on_cpu and not gguf, on_cpu=on_cpu, layer_by_layer=layer_by_layer,

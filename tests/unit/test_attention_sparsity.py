@@ -86,3 +86,12 @@ def test_a_recovery_calibrates_the_attention_thresholds_again_in_convert_and_in_
     assert record["active"]["apr"] == pytest.approx(record["pre_recovery"]["active"]["apr"], abs=0.03)
     again = recover_run(moeify.save(result, tmp_path / "cmoe"), recovery, measure_speed=False).record
     assert again["recovery"]["refit"]["attention_sparsity"]["thresholds"] != refitted
+
+
+def test_the_plan_counts_the_thresholds_calibration_where_it_holds_more_than_the_methods():
+    from moeify.memory_plan import plan
+
+    plain, thresholded = (plan("llama-2-7b", "cmoe", {"calib_samples": "1", "seq_len": "64", **options})
+                          for options in ({}, {"attention_sparsity": "0.5"}))
+    # TEAL's eight 2048-token windows over the method's one of 64: more hidden states and statistics
+    assert sum(thresholded.phases["convert"].values()) > sum(plain.phases["convert"].values())

@@ -33,12 +33,13 @@ def methods_markdown(capsys, *name: str) -> str:
 
 
 def test_one_method_prints_its_own_section_of_the_listing_and_the_markdown(capsys):
-    """``moeify methods NAME`` is that method's part of the whole output (``recovery``: the recovery's), so
+    """``moeify methods NAME`` is that method's part of the whole output (``recovery``, ``attention``: the
+    options every method takes), so
     the pages that hold one section each hold, together, every option of every method."""
     from moeify.cli.methods_cmd import section_names
 
     names = section_names()
-    assert names == [method.name for method in METHODS] + ["recovery"]
+    assert names == [method.name for method in METHODS] + ["recovery", "attention"]
     assert "\n".join(methods_markdown(capsys, name) for name in names) == methods_markdown(capsys)
     assert main(["methods"]) == 0
     listing = capsys.readouterr().out
@@ -50,13 +51,15 @@ def test_one_method_prints_its_own_section_of_the_listing_and_the_markdown(capsy
 
 
 def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsys):
+    from moeify.methods.attention_sparsity import AttentionSparsityOptions
     from moeify.training.recovery_options import RecoveryOptions
 
-    *sections, recovery = methods_markdown(capsys).split("### ")[1:]
+    *sections, recovery, attention = methods_markdown(capsys).split("### ")[1:]
     assert [section.split("\n", 1)[0] for section in sections] == [f"`{method.name}`" for method in METHODS]
-    assert recovery.startswith("Recovery (every method)")
-    assert [row.split(" | ")[0][3:-1] for row in recovery.splitlines() if row.startswith("| `")] == \
-        [f.name for f in dataclasses.fields(RecoveryOptions)]
+    assert recovery.startswith("Recovery (every method)") and attention.startswith("Attention thresholds")
+    for section, options in ((recovery, RecoveryOptions), (attention, AttentionSparsityOptions)):
+        assert [row.split(" | ")[0][3:-1] for row in section.splitlines() if row.startswith("| `")] == \
+            [f.name for f in dataclasses.fields(options)]
     for method, section in zip(METHODS, sections):
         assert method.paper in section and "| option | type | default | meaning |" in section
         rows = [line for line in section.splitlines() if line.startswith("| `")]
@@ -67,9 +70,9 @@ def test_methods_markdown_has_a_table_row_for_every_option_of_every_method(capsy
         assert all(row.count(" | ") == 3 for row in rows), rows  # a bare | in a cell would add a column
 
 
-@pytest.mark.parametrize("name", [method.name for method in METHODS] + ["recovery"])
+@pytest.mark.parametrize("name", [method.name for method in METHODS] + ["recovery", "attention"])
 def test_the_documented_method_options_are_the_generated_ones(name, capsys):
-    page = METHOD_PAGES / ("index.md" if name == "recovery" else f"{name}.md")
+    page = METHOD_PAGES / ("index.md" if name in ("recovery", "attention") else f"{name}.md")
     text = page.read_text()
     start, end = f"<!-- methods:{name}:start -->\n", f"<!-- methods:{name}:end -->"
     assert text.count(start) == 1 and text.count(end) == 1, f"{page} needs one pair of {name} markers"

@@ -130,7 +130,7 @@ def _planned(request: _Request, dtype: str | None, device: str, check_memory: bo
                          request.spec, request.config, working_dtype(dtype, None if gguf else request.model_config),
                          request.seq_len, device, gguf, request.layer_by_layer,
                          len(request.evals[0].text) // CHARS_PER_TOKEN, world_size() if fsdp() else 1,
-                         request.recovery)
+                         request.recovery, request.attention)
     if check_memory:
         check_fits(memory, device, request.spec.layer_by_layer and not request.trains)
     if out is not None:

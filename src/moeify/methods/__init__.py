@@ -15,6 +15,7 @@ from moeify.methods.random_split import RANDOM_SPLIT
 from moeify.methods.static_prune import STATIC_PRUNE
 from moeify.methods.teal import TEAL
 from moeify.methods.teal.config import ATTENTION_KEYS, AttentionSparsityOptions
+from moeify.methods.teal.memory import attention_memory
 from moeify.methods.tomoe import TOMOE
 from moeify.options import OptionError, build_config
 from moeify.training.recovery_options import RecoveryOptions, split_recovery_options
@@ -46,5 +47,5 @@ def method_configs(name: str, options: dict[str, Any] | None
     return method, config, build_config(RecoveryOptions, recovery_options), attention
 
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "Analysis", "Conversion", "ConversionContext", "Method", "get_method",
-           "method_configs"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "Analysis", "AttentionSparsityOptions", "Conversion", "ConversionContext",
+           "Method", "attention_memory", "get_method", "method_configs"]
