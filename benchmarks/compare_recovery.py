@@ -16,14 +16,14 @@ each row saying its moeify version. ``--run refit`` runs CMoE and static pruning
 refit (``refit_down=true``, not in the papers), the rest as the table's run, into its own results file; the
 table's ``--markdown`` adds its finished rows, as it does those of ``--run attention``: CMoE with the refit and
 TEAL's thresholds on the attention at half (``attention_sparsity=0.5``), its MLP matched to what they leave.
-``--run lm`` runs the same comparison with the LM loss alone (``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and static pruning with distillation alone
-(``recover_lm_share=0``) and ``--run mix_b4`` CMoE and static pruning with half of each, each into its own
-results file, with the settings the comparison of the losses ran with (``LOSS_COMPARISON``); their
-``--markdown`` sets each budget's perplexity of every loss side by side, and ``--transfer`` evaluates the
-dense model and the models of every loss on text and zero-shot tasks unlike the training text
-(``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
+``--run lm`` runs the same comparison with the LM loss alone (``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and
+static pruning with distillation alone (``recover_lm_share=0``) and ``--run mix_b4`` CMoE and static pruning with
+half of each, each into its own results file, with the settings the comparison of the losses ran with
+(``LOSS_COMPARISON``); their ``--markdown`` sets each budget's perplexity of every loss side by side, and
+``--transfer`` evaluates the dense model and the models of every loss on text and zero-shot tasks unlike the
+training text (``TRANSFER_TEXTS``, ``TRANSFER_TASKS``).
 
-    python benchmarks/compare_recovery.py [--run mix|refit|attention|mix_b4|lm|kd] [--out DIR] [--resume] [--methods a,b]
+    python benchmarks/compare_recovery.py [--run mix|refit|attention|...] [--out DIR] [--resume] [--methods a,b]
     python benchmarks/compare_recovery.py [--run ...] --collect [--out DIR]  # rows of a run going or stopped
     python benchmarks/compare_recovery.py [--run ...] --bench  # then, on a quiet CPU
     python benchmarks/compare_recovery.py [--run ...] --markdown

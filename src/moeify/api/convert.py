@@ -234,8 +234,9 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
         timings["analysis_s"] = time.perf_counter() - start
     record = ConversionRecord(
         method=request.spec.name, paper=request.spec.paper, model=str(model or EMBEDDED_MODEL),
-        config={**vars(request.config), **vars(request.attention), "seed": seed, "device": device, "layer_by_layer": layer_by_layer,
-                "dtype": dtype_name(next(dense.parameters()).dtype), "processes": world_size(), "fsdp": fsdp()},
+        config={**vars(request.config), **vars(request.attention), "seed": seed, "device": device,
+                "layer_by_layer": layer_by_layer, "dtype": dtype_name(next(dense.parameters()).dtype),
+                "processes": world_size(), "fsdp": fsdp()},
         data={"calib": {"name": request.calib.name, "sha256": request.calib.sha256},
               "eval": {"name": eval_source.name, "sha256": eval_source.sha256},
               "analysis_eval": [{"name": s.name, "sha256": s.sha256} for s in request.evals]},

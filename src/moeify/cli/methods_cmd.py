@@ -127,7 +127,7 @@ def _markdown_section(name: str) -> str:
 
 def markdown(name: str | None = None) -> str:
     """Per method a ``### `name``` section: paper, summary and a table of its ``--set`` options; then the
-    options every method takes (the recovery's, the attention thresholds'). ``name``: that section only, as its page holds it; the
-    whole output is the sections joined by a blank line."""
+    options every method takes (the recovery's, the attention thresholds'). ``name``: that section only, as its
+    page holds it; the whole output is the sections joined by a blank line."""
     _check_name(name)
     return "\n".join(_markdown_section(section) for section in ([name] if name else section_names()))
