@@ -1,6 +1,8 @@
 """TEAL's thresholds on the attention of an MoE conversion (``attention_sparsity``): what is thresholded, what
 it frees of the budget, how ``compare`` gives it to the MLP, the refit after a recovery, and what is refused."""
 
+import json
+
 import pytest
 import torch
 
@@ -95,3 +97,15 @@ def test_the_plan_counts_the_thresholds_calibration_where_it_holds_more_than_the
                           for options in ({}, {"attention_sparsity": "0.5"}))
     # TEAL's eight 2048-token windows over the method's one of 64: more hidden states and statistics
     assert sum(thresholded.phases["convert"].values()) > sum(plain.phases["convert"].values())
+
+
+def test_a_resumed_compare_keeps_a_run_only_with_the_thresholds_asked_now(tmp_path):
+    from moeify.api.compare import _kept_options
+
+    (tmp_path / "record.json").write_text(json.dumps({"config": {"spec": "S2A2E8", "attention_sparsity": 0.5}}))
+    attempts = [{"spec": "S2A2E8"}]
+    assert _kept_options("cmoe", attempts, {"attention_sparsity": "0.5"}, {}, tmp_path) == \
+        {"spec": "S2A2E8", "attention_sparsity": "0.5"}
+    assert _kept_options("cmoe", attempts, {}, {}, tmp_path) is None  # asked without: converted again
+    (tmp_path / "record.json").write_text(json.dumps({"config": {"spec": "S2A2E8"}}))  # an earlier record
+    assert _kept_options("cmoe", attempts, {}, {}, tmp_path) == {"spec": "S2A2E8"}

@@ -97,10 +97,10 @@ def _kept_options(method: str, attempts: list[dict[str, Any]], options: dict[str
         return None
     config_cls = get_method(method).config_cls
 
-    def holds(asked: dict[str, Any]) -> bool:
-        thresholds = {key: asked[key] for key in asked if key in ATTENTION_KEYS}
-        return (_holds(record["config"], config_cls, {k: v for k, v in asked.items() if k not in thresholds})
-                and _holds(record["config"], AttentionSparsityOptions, thresholds))
+    def holds(asked: dict[str, Any]) -> bool:  # a record from before the attention thresholds has none
+        thresholds = build_config(AttentionSparsityOptions, {k: v for k, v in asked.items() if k in ATTENTION_KEYS})
+        return (_holds(record["config"], config_cls, {k: v for k, v in asked.items() if k not in ATTENTION_KEYS})
+                and record["config"].get("attention_sparsity", 0.0) == thresholds.attention_sparsity)
 
     return next((asked for asked in ({**matched, **options} for matched in attempts) if holds(asked)), None)
 
