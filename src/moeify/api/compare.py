@@ -30,7 +30,7 @@ from moeify.evaluation.record import read_record
 from moeify.files import OutputExistsError, atomic_file, check_output_dir, moeify_files, write_marker
 from moeify.loading import load_model
 from moeify.methods import Method, get_method
-from moeify.methods.attention_sparsity import ATTENTION_KEYS, AttentionSparsityOptions
+from moeify.methods.attention_sparsity import ATTENTION_KEYS, attention_options
 from moeify.moe.accounting import attention_share
 from moeify.options import build_config
 from moeify.recipes import Recipe
@@ -97,10 +97,9 @@ def _kept_options(method: str, attempts: list[dict[str, Any]], options: dict[str
         return None
     config_cls = get_method(method).config_cls
 
-    def holds(asked: dict[str, Any]) -> bool:  # a record from before the attention thresholds has none
-        thresholds = build_config(AttentionSparsityOptions, {k: v for k, v in asked.items() if k in ATTENTION_KEYS})
+    def holds(asked: dict[str, Any]) -> bool:
         return (_holds(record["config"], config_cls, {k: v for k, v in asked.items() if k not in ATTENTION_KEYS})
-                and record["config"].get("attention_sparsity", 0.0) == thresholds.attention_sparsity)
+                and attention_options(record["config"]) == attention_options(asked))
 
     return next((asked for asked in ({**matched, **options} for matched in attempts) if holds(asked)), None)
 
@@ -172,7 +171,7 @@ def _runs(methods: list[str], active: float, adapter: DecoderAdapter, recipe: Re
     runs = []
     for method in methods:
         asked = options.get(method, {})
-        thresholds = build_config(AttentionSparsityOptions, {k: v for k, v in asked.items() if k in ATTENTION_KEYS})
+        thresholds = attention_options(asked)
         if not thresholds.enabled:
             runs.append((method, method, *matched_options(get_method(method), active, adapter)))
             continue

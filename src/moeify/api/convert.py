@@ -225,7 +225,8 @@ def convert(model: str | Path | None = None, method: str = DEFAULT_METHOD, optio
     routing = routing_summary(moe)  # the evaluation pass tracked the routing
     measured = activated_parameters(moe, measured=True)
     nominal = nominal_activated_parameters(moe)
-    timings.update({} if recovery is None else {"recover_s": recovery["wall_s"]})
+    if recovery is not None:
+        timings["recover_s"] = recovery["wall_s"]
     artifacts = {**_routing_artifacts(routing), **conversion.artifacts}
     if request.spec.analyze is not None:  # after the common measurements: analyses may re-route and re-measure
         start = time.perf_counter()

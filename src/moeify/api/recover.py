@@ -27,7 +27,7 @@ from moeify.loading import load_config, load_model, working_dtype
 from moeify.memory_plan import check_fits, recovery_memory
 from moeify.methods import get_method
 from moeify.methods.base import ConversionContext, Method
-from moeify.methods.attention_sparsity import AttentionSparsityOptions, refit_attention
+from moeify.methods.attention_sparsity import AttentionSparsityOptions, attention_options, refit_attention
 from moeify.moe.accounting import ActiveParams, activated_parameters, paper_ratio, tracking_routing
 from moeify.options import OptionError, build_config, require_work_dir_for_resume
 from moeify.planning import MethodMemory, ModelShape, plan_memory
@@ -155,9 +155,8 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     dense_quality = perplexity(dense, tokenizer, eval_source, seq_len)
     before, active_before = routed_perplexity(model, tokenizer, eval_source, seq_len)
     method = get_method(record.method)
-    refit = method_refit(method, _recorded(method.config_cls, record.config),
-                         _recorded(AttentionSparsityOptions, record.config), tokenizer, calib_source,
-                         seed=record.config.get("seed", 0), device=device, progress=progress)
+    refit = method_refit(method, _method_config(method, record.config), attention_options(record.config), tokenizer,
+                         calib_source, seed=record.config.get("seed", 0), device=device, progress=progress)
     model, block = run_recovery(model, tokenizer, dense, calib_source, config, identity=recovery_identity(teacher),
                                 eval_source=eval_source, seq_len=seq_len, seed=seed, device=device,
                                 work_dir=work_dir, milestones=milestones, progress=progress, refit=refit)
@@ -174,8 +173,7 @@ def recover_run(run: str | Path, options: dict[str, Any], *, calib: str | Path |
     return ConversionResult(model, tokenizer, new.as_dict())
 
 
-def _recorded(config_cls: type, recorded: dict[str, Any]) -> Any:
-    """Options of ``config_cls`` (a method's, the attention thresholds') as the run's record keeps them (beside the
-    run's own settings: seed, device, ...)."""
-    names = {field.name for field in dataclasses.fields(config_cls)}
-    return build_config(config_cls, {key: value for key, value in recorded.items() if key in names})
+def _method_config(method: Method, recorded: dict[str, Any]) -> Any:
+    """The method's options as the run's record keeps them (beside the run's own settings: seed, device, ...)."""
+    names = {field.name for field in dataclasses.fields(method.config_cls)}
+    return build_config(method.config_cls, {key: value for key, value in recorded.items() if key in names})

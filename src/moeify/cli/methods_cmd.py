@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _common_options(name: str) -> type:
     """The config class of one of the sections every method takes."""
-    from moeify.methods.attention_sparsity import AttentionSparsityOptions
+    from moeify.methods import AttentionSparsityOptions  # the registry's: no torch import
     from moeify.training.recovery_options import RecoveryOptions
 
     return {RECOVERY: RecoveryOptions, ATTENTION: AttentionSparsityOptions}[name]

@@ -14,7 +14,7 @@ from moeify.methods.more import MORE
 from moeify.methods.random_split import RANDOM_SPLIT
 from moeify.methods.static_prune import STATIC_PRUNE
 from moeify.methods.teal import TEAL
-from moeify.methods.teal.config import ATTENTION_KEYS, AttentionSparsityOptions
+from moeify.methods.teal.config import ATTENTION_KEYS, AttentionSparsityOptions, attention_options
 from moeify.methods.teal.memory import attention_memory
 from moeify.methods.tomoe import TOMOE
 from moeify.options import OptionError, build_config
@@ -37,9 +37,8 @@ def method_configs(name: str, options: dict[str, Any] | None
     dictionary, validated; it imports nothing heavy, so a command refuses a bad option at once."""
     method = get_method(name)
     method_options, recovery_options = split_recovery_options(options or {})
-    attention_options = {key: method_options.pop(key) for key in list(method_options) if key in ATTENTION_KEYS}
-    config = build_config(method.config_cls, method_options)
-    attention = build_config(AttentionSparsityOptions, attention_options)
+    config = build_config(method.config_cls, {k: v for k, v in method_options.items() if k not in ATTENTION_KEYS})
+    attention = attention_options(method_options)
     if attention.enabled and not method.keeps_attention(config):
         fix = " (attention=off keeps it whole)" if "attention" in {f.name for f in fields(config)} else ""
         raise OptionError(f"attention_sparsity={attention.attention_sparsity}: {name} prunes or thresholds the "

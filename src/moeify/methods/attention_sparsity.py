@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeify.methods.base import ConversionContext
-from moeify.methods.teal.config import ATTENTION_KEYS, AttentionSparsityOptions
+from moeify.methods.teal.config import ATTENTION_KEYS, AttentionSparsityOptions, attention_options
 from moeify.methods.teal.convert import refit, threshold_attention
 
 
@@ -16,4 +16,4 @@ def refit_attention(ctx: ConversionContext, options: AttentionSparsityOptions) -
     return refit(ctx, options.calibration())
 
 
-__all__ = ["ATTENTION_KEYS", "AttentionSparsityOptions", "refit_attention", "threshold_attention"]
+__all__ = ["ATTENTION_KEYS", "AttentionSparsityOptions", "attention_options", "refit_attention", "threshold_attention"]

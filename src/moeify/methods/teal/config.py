@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from moeify.options import MethodOptions, method_config, option, require_at_most
+from moeify.options import MethodOptions, build_config, method_config, option, require_at_most
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -61,3 +61,9 @@ class AttentionSparsityOptions:
 
 
 ATTENTION_KEYS = frozenset(f.name for f in dataclasses.fields(AttentionSparsityOptions))
+
+
+def attention_options(options: dict[str, Any]) -> AttentionSparsityOptions:
+    """The attention thresholds' options among ``options`` (``--set`` pairs or a record's config; the others
+    ignored): a record from before the option holds none, the attention whole."""
+    return build_config(AttentionSparsityOptions, {k: v for k, v in options.items() if k in ATTENTION_KEYS})

@@ -56,9 +56,8 @@ def thresholded_projections(_adapter: DecoderAdapter, _i: int, layer: nn.Module)
 
 def attention_projections(adapter: DecoderAdapter, i: int, _layer: nn.Module) -> dict[str, nn.Linear]:
     """The attention's projections alone (``attention_sparsity`` on an MoE's whole attention)."""
-    prefix = adapter.family.attn_attr
-    return {f"{prefix}.{attr}": projection for (_, attr), projection
-            in zip(adapter.family.attn_projections, adapter.attention_projections(i).values())}
+    projections = adapter.attention_projections(i)  # by role
+    return {f"{adapter.family.attn_attr}.{attr}": projections[role] for role, attr in adapter.family.attn_projections}
 
 
 def calibrate(ctx: ConversionContext, cfg: TealConfig, projections: Projections) -> dict[str, Any]:
