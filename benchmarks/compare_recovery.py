@@ -15,7 +15,9 @@ do not outlive a working session on this machine, so a comparison longer than on
 each row saying its moeify version. ``--run refit`` runs CMoE and static pruning with the least-squares output
 refit (``refit_down=true``, not in the papers), the rest as the table's run, into its own results file; the
 table's ``--markdown`` adds its finished rows, as it does those of ``--run attention``: CMoE with the refit and
-TEAL's thresholds on the attention at half (``attention_sparsity=0.5``), its MLP matched to what they leave.
+TEAL's thresholds on the attention at half (``attention_sparsity=0.5``), its MLP matched to what they leave, and
+of ``--run attention_lr``: the same at half the recovery's learning rate (chosen by
+``bench_attention_split.py``); each such row is named by the options its run adds to the table's.
 ``--run lm`` runs the same comparison with the LM loss alone (``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and
 static pruning with distillation alone (``recover_lm_share=0``) and ``--run mix_b4`` CMoE and static pruning with
 half of each, each into its own results file, with the settings the comparison of the losses ran with
@@ -86,6 +88,8 @@ FIGURES = HERE.parent / "docs" / "assets"  # the curves are figures of docs/resu
 # recovery's default and the budget matcher's choice then: kept, so that its rows run again as they ran
 LOSS_COMPARISON = {"recover_batch_size": "4", "cmoe.spec": "S5A6E32", "random_split.spec": "S5A6E32"}
 REFIT_METHODS = ("cmoe", "static_prune")  # the methods that take refit_down, also run with it
+# CMoE with the refit and TEAL's thresholds on half the attention, its MLP matched to what they leave
+ATTENTION = {"recover_lm_share": "0.5", "cmoe.refit_down": "true", "cmoe.attention_sparsity": "0.5"}
 # each run's recovery loss is its share of the LM loss beside distillation (recover_lm_share); the table is the
 # run at moeify's defaults, "refit" adds rows to it, the others compare the losses on a few methods
 RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_recovery.jsonl",
@@ -93,9 +97,11 @@ RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_reco
         "refit": Run(REFIT_METHODS, {"recover_lm_share": "0.5", **{f"{m}.refit_down": "true" for m in REFIT_METHODS}},
                      RESULTS / "compare_recovery_refit.jsonl", None, MODELS / "compare_apr0.5_refit",
                      RESULTS / "compare_recovery_refit_bench"),
-        "attention": Run(("cmoe",), {"recover_lm_share": "0.5", "cmoe.refit_down": "true",
-                                     "cmoe.attention_sparsity": "0.5"}, RESULTS / "compare_recovery_attention.jsonl",
-                         None, MODELS / "compare_apr0.5_attention", RESULTS / "compare_recovery_attention_bench"),
+        "attention": Run(("cmoe",), ATTENTION, RESULTS / "compare_recovery_attention.jsonl", None,
+                         MODELS / "compare_apr0.5_attention", RESULTS / "compare_recovery_attention_bench"),
+        "attention_lr": Run(("cmoe",), {**ATTENTION, "recover_lr": "0.00015"},
+                            RESULTS / "compare_recovery_attention_lr.jsonl", None,
+                            MODELS / "compare_apr0.5_attention_lr", RESULTS / "compare_recovery_attention_lr_bench"),
         "mix_b4": Run(("cmoe", "static_prune"), {"recover_lm_share": "0.5", **LOSS_COMPARISON},
                       RESULTS / "compare_recovery_mix_b4.jsonl", None, MODELS / "compare_apr0.5_mix_b4",
                       RESULTS / "compare_recovery_mix_b4_bench"),
@@ -104,6 +110,7 @@ RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_reco
         "kd": Run(KD_METHODS, {"recover_lm_share": "0", **LOSS_COMPARISON}, RESULTS / "compare_recovery_kd.jsonl",
                   None, MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
 DEFAULT_RUN = "mix"
+TABLE_RUNS = ("refit", "attention", "attention_lr")  # runs whose finished rows join the table's
 LOSSES = ("mix_b4", "lm", "kd")  # the runs set side by side by ``--run kd --markdown`` and ``--transfer``
 LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each", "mix_b4": "half of each"}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
@@ -148,15 +155,22 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], refit_rows: list[dict[str, Any]],
-             attention_rows: list[dict[str, Any]]) -> str:
-    """The table: the run's rows and the finished rows of the refit run (named ``METHOD + refit_down``) and of
-    the attention run (``+ attention_sparsity``), by perplexity after the largest budget; the methods not run
-    yet, or failed, after them."""
-    finished = [(RUNS[DEFAULT_RUN], r["method"], r) for r in rows if "curve" in r]
-    finished += [(RUNS["refit"], f"{r['method']} + refit_down", r) for r in refit_rows if "curve" in r]
-    finished += [(RUNS["attention"], f"{r['method']} + refit_down + attention_sparsity="
-                  f"{r['options']['attention_sparsity']}", r) for r in attention_rows if "curve" in r]
+def label(run: Run, method: str) -> str:
+    """A row's name in the table: the method and the options its run sets beyond the table's (``refit_down``
+    for ``refit_down=true``, else ``KEY=VALUE``)."""
+    table_sets = RUNS[DEFAULT_RUN].sets
+    extra = [key.split(".")[-1] if value == "true" else f"{key.split('.')[-1]}={value}"
+             for key, value in run.sets.items() if table_sets.get(key) != value and key.split(".")[0] in
+             (method, key)]
+    return " + ".join([method, *extra])
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table: the rows of the table's run and the finished rows of ``TABLE_RUNS`` (named by ``label``),
+    by perplexity after the largest budget; the methods not run yet, or failed, after them."""
+    finished = [(RUNS[name], r) for name in (DEFAULT_RUN, *TABLE_RUNS)
+                for r in (rows if name == DEFAULT_RUN else rows_of(RUNS[name])) if "curve" in r]
+    finished = [(run, r["method"] if run is RUNS[DEFAULT_RUN] else label(run, r["method"]), r) for run, r in finished]
     budgets = [t for t, _ in finished[0][2]["curve"]] if finished else []
     head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
     lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up (8 x 256) | convert s | recovery s |",
@@ -275,7 +289,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", choices=sorted(RUNS), default=DEFAULT_RUN,
                         help="mix: every method at the recovery's defaults (half distillation, half the LM loss; the "
-                             f"table); refit: {', '.join(REFIT_METHODS)} with refit_down=true (rows of the table); "
+                             f"table); refit: {', '.join(REFIT_METHODS)} with refit_down=true; attention: cmoe "
+                             "with the refit and half the attention thresholded; attention_lr: that at "
+                             "recover_lr=1.5e-4 (rows of the table); "
                              "the comparison of the losses, at its settings (LOSS_COMPARISON): lm, the LM "
                              f"loss alone; kd: {', '.join(KD_METHODS)} distilled; mix_b4: cmoe and static_prune with "
                              "half of each")
@@ -324,8 +340,7 @@ def main() -> None:
 
 def table(run_name: str) -> str:
     """What ``--markdown`` prints for a run: a loss's, the losses side by side; else the table."""
-    return versus() if run_name in LOSSES else markdown(*(rows_of(RUNS[name]) for name in (DEFAULT_RUN, "refit",
-                                                                                         "attention")))
+    return versus() if run_name in LOSSES else markdown(rows_of(RUNS[DEFAULT_RUN]))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ TABLES = (
     Table("compare_recovery_transfer", "docs/results.md", ("compare_recovery.py", "--transfer", "--markdown")),
     Table("bench_recovery", "docs/results.md", ("bench_recovery.py", "--markdown")),
     Table("bench_attention_sparsity", "docs/results.md", ("bench_attention_sparsity.py", "--markdown")),
+    Table("bench_attention_split", "docs/results.md", ("bench_attention_split.py", "--markdown")),
     Table("bench_speed", "docs/results.md", ("bench_speed.py", "--markdown")),
     Table("bench_tomoe_speed", "docs/results.md", ("bench_tomoe_speed.py", "--markdown")),
     Table("bench_export_layout", "docs/results.md", ("bench_export_layout.py", "--markdown")),

@@ -1,0 +1,114 @@
+"""How CMoE with TEAL's attention thresholds should spend APR 0.5, chosen on short recoveries: each variant is
+``moeify compare`` of CMoE alone at APR 0.5 with the output refit and ``attention_sparsity`` (the MLP matched to
+what the thresholds leave, or a ``spec`` given), then ``moeify recover`` of that conversion for ``TOKENS``
+tokens of WikiText-2 valid with the comparison's recovery settings (``compare_recovery.RECOVERY``) and the
+variant's. Both evaluate on 50,000 characters of WikiText-2 raw test from ``bench_recovery.EVAL_START``, apart
+from the text the comparison's table evaluates on, so the choice does not look at the table's text.
+
+The variants: the attention's share (0.4 / 0.5 / 0.7: more of the attention thresholded leaves the MLP more),
+how the MLP's half is split (the matched S2A2E8 or S1A3E8: one shared expert, three of seven routed) and the
+recovery's learning rate (1.5e-4 / 3e-4, the default / 6e-4). A short recovery ranks structures by how fast they
+recover, not where they end: the chosen variant then runs the comparison's whole budget
+(``compare_recovery.py --run attention_lr``).
+
+Each stage is a folder under ``--work`` (``CONVERSION/cmoe`` and ``VARIANT``); one whose folder exists is not
+run again, so a sweep stopped part way continues. The rows go to ``OUT``; ``--markdown`` prints them.
+
+    python benchmarks/bench_attention_split.py [--variants a,b] [--work DIR]
+    python benchmarks/bench_attention_split.py --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
+from bench_recovery import EVAL_START
+from compare_recovery import ACTIVE, RECOVERY
+from results_file import append_row, git_commit, read_rows
+
+OUT = Path(__file__).resolve().parent / "results" / "bench_attention_split.jsonl"
+TOKENS = 30_000
+EVAL_CHARS = 50_000
+# conversion -> the CMoE options beside the refit (compare matches the spec where none is given)
+CONVERSIONS: dict[str, dict[str, str]] = {"s0.4": {"attention_sparsity": "0.4"}, "s0.5": {"attention_sparsity": "0.5"},
+                                          "s0.7": {"attention_sparsity": "0.7"},
+                                          "s1a3": {"attention_sparsity": "0.5", "spec": "S1A3E8"}}
+# variant -> (its conversion, its recovery options beside RECOVERY)
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "s0.4": ("s0.4", {}), "s0.5": ("s0.5", {}), "s0.7": ("s0.7", {}), "s1a3": ("s1a3", {}),
+    "lr1.5e-4": ("s0.5", {"recover_lr": "0.00015"}), "lr6e-4": ("s0.5", {"recover_lr": "0.0006"})}
+
+
+def sets(options: dict[str, str]) -> list[str]:
+    return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+
+
+def convert(name: str, work: Path, eval_file: Path) -> Path:
+    """The conversion ``name`` (made once): its run folder."""
+    out = work / name
+    if not (out / "cmoe" / "record.json").is_file():
+        options = {"cmoe.refit_down": "true", **{f"cmoe.{k}": v for k, v in CONVERSIONS[name].items()}}
+        subprocess.run([sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", "cmoe", "--active",
+                        str(ACTIVE), "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file),
+                        "--seq-len", "2048", *sets(options), "--overwrite"], check=True)
+    return out / "cmoe"
+
+
+def variant_row(name: str, work: Path, eval_file: Path) -> dict[str, Any]:
+    """Recover variant ``name``'s conversion (once) and its row."""
+    conversion, options = VARIANTS[name]
+    out = work / f"{name}-r{TOKENS // 1000}k"
+    if not (out / "record.json").is_file():
+        source = convert(conversion, work, eval_file)
+        subprocess.run([sys.executable, "-m", "moeify", "recover", str(source), "--tokens", str(TOKENS), "--out",
+                        str(out), "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
+                        "--no-speed", *sets({**RECOVERY, **options})], check=True)
+    record = json.loads((out / "record.json").read_text())
+    config = record["config"]
+    return {"variant": name, "conversion": conversion, "cmoe": CONVERSIONS[conversion],
+            "spec": f"S{config['num_shared']}A{config['top_k']}E{config['num_experts']}", "recovery": options,
+            "tokens": record["recovery"]["tokens"],
+            "dense_ppl": record["metrics"]["dense_ppl"], "ppl_before": record["pre_recovery"]["ppl"],
+            "ppl": record["metrics"]["ppl"], "apr": record["active"]["apr"], "recover_s": record["recovery"]["wall_s"],
+            "eval": record["data"]["eval"], "commit": git_commit()}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = f"| variant | attention thresholded | CMoE spec | recovery lr | APR | PPL before | PPL after {TOKENS // 1000}k |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {float(r['cmoe']['attention_sparsity']):.0%} | {r['spec']} | "
+                     f"{r['recovery'].get('recover_lr', '3e-4 (default)')} | {r['apr']:.3f} | {r['ppl_before']:.2f} "
+                     f"| {r['ppl']:.2f} |")
+    dense = f"\n\nDense SmolLM2-135M on the same text: {rows[0]['dense_ppl']:.2f}." if rows else ""
+    return "\n".join(lines) + dense
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-attention-split"))
+    parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(read_rows(OUT) if OUT.is_file() else []))
+        return
+    if unknown := [v for v in args.variants.split(",") if v not in VARIANTS]:
+        parser.error(f"--variants {','.join(unknown)}: not one of {','.join(VARIANTS)}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    eval_file = args.work / f"wikitext2_raw_test_{EVAL_START}_{EVAL_START + EVAL_CHARS}.txt"
+    eval_file.write_text(EVAL.read_text()[EVAL_START:EVAL_START + EVAL_CHARS])
+    done = {r["variant"] for r in read_rows(OUT)} if OUT.is_file() else set()
+    for name in args.variants.split(","):
+        if name not in done:
+            append_row(OUT, variant_row(name, args.work, eval_file))
+
+
+if __name__ == "__main__":
+    main()
