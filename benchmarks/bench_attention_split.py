@@ -80,7 +80,8 @@ def variant_row(name: str, work: Path, eval_file: Path) -> dict[str, Any]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = f"| variant | attention thresholded | CMoE spec | recovery lr | APR | PPL before | PPL after {TOKENS // 1000}k |"
+    after = f"PPL after {TOKENS // 1000}k"
+    head = f"| variant | attention thresholded | CMoE spec | recovery lr | APR | PPL before | {after} |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {float(r['cmoe']['attention_sparsity']):.0%} | {r['spec']} | "
