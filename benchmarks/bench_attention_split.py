@@ -29,7 +29,7 @@ from typing import Any
 
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
 from bench_recovery import EVAL_START
-from compare_recovery import ACTIVE, RECOVERY
+from compare_recovery import ACTIVE, RECOVERY, set_args
 from results_file import append_row, git_commit, read_rows
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_attention_split.jsonl"
@@ -45,10 +45,6 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "lr1.5e-4": ("s0.5", {"recover_lr": "0.00015"}), "lr6e-4": ("s0.5", {"recover_lr": "0.0006"})}
 
 
-def sets(options: dict[str, str]) -> list[str]:
-    return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
-
-
 def convert(name: str, work: Path, eval_file: Path) -> Path:
     """The conversion ``name`` (made once): its run folder."""
     out = work / name
@@ -56,7 +52,7 @@ def convert(name: str, work: Path, eval_file: Path) -> Path:
         options = {"cmoe.refit_down": "true", **{f"cmoe.{k}": v for k, v in CONVERSIONS[name].items()}}
         subprocess.run([sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", "cmoe", "--active",
                         str(ACTIVE), "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file),
-                        "--seq-len", "2048", *sets(options), "--overwrite"], check=True)
+                        "--seq-len", "2048", *set_args(options), "--overwrite"], check=True)
     return out / "cmoe"
 
 
@@ -68,7 +64,7 @@ def variant_row(name: str, work: Path, eval_file: Path) -> dict[str, Any]:
         source = convert(conversion, work, eval_file)
         subprocess.run([sys.executable, "-m", "moeify", "recover", str(source), "--tokens", str(TOKENS), "--out",
                         str(out), "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
-                        "--no-speed", *sets({**RECOVERY, **options})], check=True)
+                        "--no-speed", *set_args({**RECOVERY, **options})], check=True)
     record = json.loads((out / "record.json").read_text())
     config = record["config"]
     return {"variant": name, "conversion": conversion, "cmoe": CONVERSIONS[conversion],

@@ -121,12 +121,17 @@ LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each", "mix
 BENCH_ARGS = ("--prefill", "1x256,8x256", "--decode", "8", "--new-tokens", "16", "--repeats", "5")
 
 
+def set_args(options: dict[str, str]) -> list[str]:
+    """``options`` as moeify's ``--set KEY=VALUE`` arguments."""
+    return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+
+
 def command(run: Run, out: Path, extra: list[str]) -> list[str]:
     """The ``moeify compare`` command line of ``run``'s methods."""
     out.parent.mkdir(parents=True, exist_ok=True)
     eval_file = write_eval_prefix(EVAL_CHARS, out.parent)
-    sets = [arg for key, value in {**METHOD_OPTIONS, **RECOVERY, **run.sets}.items()
-            if "." not in key or key.split(".")[0] in run.methods for arg in ("--set", f"{key}={value}")]
+    sets = set_args({key: value for key, value in {**METHOD_OPTIONS, **RECOVERY, **run.sets}.items()
+                     if "." not in key or key.split(".")[0] in run.methods})
     return [sys.executable, "-m", "moeify", "compare", str(MODEL), "--methods", ",".join(run.methods),
             "--active", str(ACTIVE), "--out", str(out), "--calib", str(CALIB), "--eval", str(eval_file),
             "--seq-len", "2048", "--recover-tokens", ",".join(map(str, BUDGETS)), *sets, *extra]
@@ -162,19 +167,18 @@ def collect(run: Run, out: Path) -> list[dict[str, Any]]:
 def label(run: Run, method: str) -> str:
     """A row's name in the table: the method and the options its run sets beyond the table's (``refit_down``
     for ``refit_down=true``, else ``KEY=VALUE``)."""
-    table_sets = RUNS[DEFAULT_RUN].sets
     extra = [key.split(".")[-1] if value == "true" else f"{key.split('.')[-1]}={value}"
-             for key, value in run.sets.items() if table_sets.get(key) != value and key.split(".")[0] in
-             (method, key)]
+             for key, value in run.sets.items() if RUNS[DEFAULT_RUN].sets.get(key) != value
+             and ("." not in key or key.startswith(f"{method}."))]
     return " + ".join([method, *extra])
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table: the rows of the table's run and the finished rows of ``TABLE_RUNS`` (named by ``label``),
-    by perplexity after the largest budget; the methods not run yet, or failed, after them."""
-    finished = [(RUNS[name], r) for name in (DEFAULT_RUN, *TABLE_RUNS)
-                for r in (rows if name == DEFAULT_RUN else rows_of(RUNS[name])) if "curve" in r]
-    finished = [(run, r["method"] if run is RUNS[DEFAULT_RUN] else label(run, r["method"]), r) for run, r in finished]
+def markdown() -> str:
+    """The table: the finished rows of the table's run and of ``TABLE_RUNS`` (named by ``label``), by
+    perplexity after the largest budget; the table's methods not run yet, or failed, after them."""
+    rows = rows_of(RUNS[DEFAULT_RUN])
+    finished = [(RUNS[name], label(RUNS[name], r["method"]), r) for name in (DEFAULT_RUN, *TABLE_RUNS)
+                for r in rows_of(RUNS[name]) if "curve" in r]
     budgets = [t for t, _ in finished[0][2]["curve"]] if finished else []
     head = " | ".join(f"PPL after {t // 1000}k" for t in budgets[1:])
     lines = [f"| method | APR | PPL before | {head} | x dense | native speed-up (8 x 256) | convert s | recovery s |",
@@ -344,7 +348,7 @@ def main() -> None:
 
 def table(run_name: str) -> str:
     """What ``--markdown`` prints for a run: a loss's, the losses side by side; else the table."""
-    return versus() if run_name in LOSSES else markdown(rows_of(RUNS[DEFAULT_RUN]))
+    return versus() if run_name in LOSSES else markdown()
 
 
 if __name__ == "__main__":
