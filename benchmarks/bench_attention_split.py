@@ -6,15 +6,18 @@ variant's. Both evaluate on 50,000 characters of WikiText-2 raw test from ``benc
 from the text the comparison's table evaluates on, so the choice does not look at the table's text.
 
 The variants: the attention's share (0.4 / 0.5 / 0.7: more of the attention thresholded leaves the MLP more),
-how the MLP's half is split (the matched S2A2E8 or S1A3E8: one shared expert, three of seven routed) and the
-recovery's learning rate (1.5e-4 / 3e-4, the default / 6e-4). A short recovery ranks structures by how fast they
-recover, not where they end: the chosen variant then runs the comparison's whole budget
-(``compare_recovery.py --run attention_lr``).
+how the MLP's half is split (the matched S2A2E8 or S1A3E8: one shared expert, three of seven routed), the
+recovery's learning rate (1.5e-4 / 3e-4, the default / 6e-4) and its schedule (``linear``: falling to 0). A short
+recovery ranks structures by how fast they recover, not where they end (a falling rate slows a recovery while it
+is fast, and pays off at its end): the chosen variants then run the comparison's whole budget
+(``compare_recovery.py --run attention_lr``, ``attention_lr1e-4`` and ``attention_linear``), and ``--full``
+evaluates those runs' models on the same held-out text, so that they are ranked apart from the table's text too.
 
 Each stage is a folder under ``--work`` (``CONVERSION/cmoe`` and ``VARIANT``); one whose folder exists is not
 run again, so a sweep stopped part way continues. The rows go to ``OUT``; ``--markdown`` prints them.
 
     python benchmarks/bench_attention_split.py [--variants a,b] [--work DIR]
+    python benchmarks/bench_attention_split.py --full  # after compare_recovery.py's runs of this structure
     python benchmarks/bench_attention_split.py --markdown
 """
 
@@ -29,10 +32,11 @@ from typing import Any
 
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
 from bench_recovery import EVAL_START
-from compare_recovery import ACTIVE, RECOVERY, set_args
+from compare_recovery import ACTIVE, RECOVERY, RUNS, set_args
 from results_file import append_row, git_commit, read_rows
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_attention_split.jsonl"
+FULL_RUNS = ("attention_lr", "attention_lr1e-4", "attention_linear")  # compare_recovery runs of this structure
 TOKENS = 30_000
 EVAL_CHARS = 50_000
 # conversion -> the CMoE options beside the refit (compare matches the spec where none is given)
@@ -42,7 +46,8 @@ CONVERSIONS: dict[str, dict[str, str]] = {"s0.4": {"attention_sparsity": "0.4"},
 # variant -> (its conversion, its recovery options beside RECOVERY)
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "s0.4": ("s0.4", {}), "s0.5": ("s0.5", {}), "s0.7": ("s0.7", {}), "s1a3": ("s1a3", {}),
-    "lr1.5e-4": ("s0.5", {"recover_lr": "0.00015"}), "lr6e-4": ("s0.5", {"recover_lr": "0.0006"})}
+    "lr1.5e-4": ("s0.5", {"recover_lr": "0.00015"}), "lr6e-4": ("s0.5", {"recover_lr": "0.0006"}),
+    "linear": ("s0.5", {"recover_lr_schedule": "linear"})}
 
 
 def convert(name: str, work: Path, eval_file: Path) -> Path:
@@ -75,14 +80,38 @@ def variant_row(name: str, work: Path, eval_file: Path) -> dict[str, Any]:
             "eval": record["data"]["eval"], "commit": git_commit()}
 
 
+def full_row(name: str, work: Path, eval_file: Path) -> dict[str, Any] | None:
+    """The model of compare_recovery's run ``name`` (the table's whole budget, where its folder exists)
+    evaluated on the held-out text, so that the runs of the whole budget are ranked apart from the table's
+    text too (its conversion's perplexity before the recovery was measured on the table's text only)."""
+    folder = RUNS[name].out / "cmoe"
+    if not (folder / "record.json").is_file():
+        return None
+    result = work / f"full-{name}.json"
+    if not result.is_file():
+        subprocess.run([sys.executable, "-m", "moeify", "eval", str(folder), "--data", str(eval_file),
+                        "--seq-len", "2048", "--json", str(result)], check=True)
+    scores, record = json.loads(result.read_text()), json.loads((folder / "record.json").read_text())
+    config, sets = record["config"], RUNS[name].sets
+    spec = f"S{config['num_shared']}A{config['top_k']}E{config['num_experts']}"
+    return {"variant": name, "conversion": "compare_recovery",
+            "cmoe": {"attention_sparsity": sets["cmoe.attention_sparsity"]}, "spec": spec,
+            "recovery": {k: v for k, v in sets.items() if k.startswith("recover_") and k != "recover_lm_share"},
+            "tokens": record["recovery"]["tokens"], "dense_ppl": None, "ppl_before": None,
+            "ppl": next(iter(scores["ppl"].values())), "apr": scores["active"]["apr"], "eval": eval_file.name,
+            "commit": git_commit()}
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    after = f"PPL after {TOKENS // 1000}k"
-    head = f"| variant | attention thresholded | CMoE spec | recovery lr | APR | PPL before | {after} |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| variant | attention thresholded | CMoE spec | recovery lr | lr schedule | tokens | APR | PPL before "
+            "| PPL after |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        before = "-" if r["ppl_before"] is None else f"{r['ppl_before']:.2f}"
         lines.append(f"| {r['variant']} | {float(r['cmoe']['attention_sparsity']):.0%} | {r['spec']} | "
-                     f"{r['recovery'].get('recover_lr', '3e-4 (default)')} | {r['apr']:.3f} | {r['ppl_before']:.2f} "
-                     f"| {r['ppl']:.2f} |")
+                     f"{r['recovery'].get('recover_lr', '3e-4 (default)')} | "
+                     f"{r['recovery'].get('recover_lr_schedule', 'constant')} | {r['tokens'] // 1000}k | "
+                     f"{r['apr']:.3f} | {before} | {r['ppl']:.2f} |")
     dense = f"\n\nDense SmolLM2-135M on the same text: {rows[0]['dense_ppl']:.2f}." if rows else ""
     return "\n".join(lines) + dense
 
@@ -91,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-attention-split"))
+    parser.add_argument("--full", action="store_true", help="evaluate the models of compare_recovery's runs of "
+                        f"this structure ({', '.join(FULL_RUNS)}) on the held-out text")
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
     args = parser.parse_args()
     if args.markdown:
@@ -102,6 +133,11 @@ def main() -> None:
     eval_file = args.work / f"wikitext2_raw_test_{EVAL_START}_{EVAL_START + EVAL_CHARS}.txt"
     eval_file.write_text(EVAL.read_text()[EVAL_START:EVAL_START + EVAL_CHARS])
     done = {r["variant"] for r in read_rows(OUT)} if OUT.is_file() else set()
+    if args.full:
+        for name in FULL_RUNS:
+            if name not in done and (row := full_row(name, args.work, eval_file)):
+                append_row(OUT, row)
+        return
     for name in args.variants.split(","):
         if name not in done:
             append_row(OUT, variant_row(name, args.work, eval_file))

@@ -16,8 +16,10 @@ each row saying its moeify version. ``--run refit`` runs CMoE and static pruning
 refit (``refit_down=true``, not in the papers), the rest as the table's run, into its own results file; the
 table's ``--markdown`` adds its finished rows, as it does those of ``--run attention``: CMoE with the refit and
 TEAL's thresholds on the attention at half (``attention_sparsity=0.5``), its MLP matched to what they leave, and
-of ``--run attention_lr`` and ``attention_lr1e-4``: the same at the recovery's learning rate 1.5e-4 (chosen by
-``bench_attention_split.py``) and 1e-4; each such row is named by the options its run adds to the table's.
+of ``--run attention_lr``, ``attention_lr1e-4`` and ``attention_linear``: the same at the recovery's learning rate
+1.5e-4 (chosen by ``bench_attention_split.py``), 1e-4, and falling linearly from 3e-4 to 0 over the largest budget
+(``recover_lr_schedule=linear``: its earlier budgets are points of that run, not runs of their own); each such
+row is named by the options its run adds to the table's.
 ``--run lm`` runs the same comparison with the LM loss alone (``recover_lm_share=1``), ``--run kd`` CMoE, ToMoE and
 static pruning with distillation alone (``recover_lm_share=0``) and ``--run mix_b4`` CMoE and static pruning with
 half of each, each into its own results file, with the settings the comparison of the losses ran with
@@ -106,6 +108,10 @@ RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_reco
                                 RESULTS / "compare_recovery_attention_lr1e-4.jsonl", None,
                                 MODELS / "compare_apr0.5_attention_lr1e-4",
                                 RESULTS / "compare_recovery_attention_lr1e-4_bench"),
+        "attention_linear": Run(("cmoe",), {**ATTENTION, "recover_lr_schedule": "linear"},
+                                RESULTS / "compare_recovery_attention_linear.jsonl", None,
+                                MODELS / "compare_apr0.5_attention_linear",
+                                RESULTS / "compare_recovery_attention_linear_bench"),
         "mix_b4": Run(("cmoe", "static_prune"), {"recover_lm_share": "0.5", **LOSS_COMPARISON},
                       RESULTS / "compare_recovery_mix_b4.jsonl", None, MODELS / "compare_apr0.5_mix_b4",
                       RESULTS / "compare_recovery_mix_b4_bench"),
@@ -114,7 +120,8 @@ RUNS = {"mix": Run(METHODS, {"recover_lm_share": "0.5"}, RESULTS / "compare_reco
         "kd": Run(KD_METHODS, {"recover_lm_share": "0", **LOSS_COMPARISON}, RESULTS / "compare_recovery_kd.jsonl",
                   None, MODELS / "compare_apr0.5", RESULTS / "compare_recovery_kd_bench")}
 DEFAULT_RUN = "mix"
-TABLE_RUNS = ("refit", "attention", "attention_lr", "attention_lr1e-4")  # runs whose finished rows join the table's
+# runs whose finished rows join the table's
+TABLE_RUNS = ("refit", "attention", "attention_lr", "attention_lr1e-4", "attention_linear")
 LOSSES = ("mix_b4", "lm", "kd")  # the runs set side by side by ``--run kd --markdown`` and ``--transfer``
 LOSS_NAMES = {"lm": "LM loss", "kd": "distillation", "mix": "half of each", "mix_b4": "half of each"}
 # ``--bench``: each finished row's folder against the dense model, on a quiet CPU
@@ -299,7 +306,8 @@ def main() -> None:
                         help="mix: every method at the recovery's defaults (half distillation, half the LM loss; the "
                              f"table); refit: {', '.join(REFIT_METHODS)} with refit_down=true; attention: cmoe "
                              "with the refit and half the attention thresholded; attention_lr, attention_lr1e-4: that "
-                             "at recover_lr=1.5e-4, 1e-4 (rows of the table); "
+                             "at recover_lr=1.5e-4, 1e-4; attention_linear: at recover_lr_schedule=linear (rows of "
+                             "the table); "
                              "the comparison of the losses, at its settings (LOSS_COMPARISON): lm, the LM "
                              f"loss alone; kd: {', '.join(KD_METHODS)} distilled; mix_b4: cmoe and static_prune with "
                              "half of each")

@@ -67,7 +67,9 @@ class RecoveryOptions:
     recover_lr_schedule: Literal["constant", "linear"] = option(
         "constant", "the learning rate after the warm-up: constant (the model after n tokens of a longer run is a "
                     "run of n tokens, so one run measures a curve of budgets) or linear (falling to 0 at the "
-                    "last step: a curve's earlier points are not runs of their own budget)")
+                    "last step: a curve's earlier points are not runs of their own budget; at the end of one budget "
+                    "below the constant rates tried, for CMoE with attention thresholds on SmolLM2 over 200,000 "
+                    "tokens, benchmarks/compare_recovery.py)")
     recover_weight_decay: float = option(0.0, "AdamW weight decay", low=0.0)
     recover_checkpoint_every: int = option(25, "steps between checkpoints in the work folder (0: at the end only)",
                                            low=0)
