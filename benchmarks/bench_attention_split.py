@@ -11,7 +11,8 @@ recovery's learning rate (1.5e-4 / 3e-4, the default / 6e-4) and its schedule (`
 recovery ranks structures by how fast they recover, not where they end (a falling rate slows a recovery while it
 is fast, and pays off at its end): the chosen variants then run the comparison's whole budget
 (``compare_recovery.py --run attention_lr``, ``attention_lr1e-4`` and ``attention_linear``), and ``--full``
-evaluates those runs' models on the same held-out text, so that they are ranked apart from the table's text too.
+evaluates those runs' models on the same held-out text, so that they are ranked apart from the table's text too,
+and on text unlike the training text (``compare_recovery.TRANSFER_TEXTS``) beside the dense model.
 
 Each stage is a folder under ``--work`` (``CONVERSION/cmoe`` and ``VARIANT``); one whose folder exists is not
 run again, so a sweep stopped part way continues. The rows go to ``OUT``; ``--markdown`` prints them.
@@ -32,7 +33,7 @@ from typing import Any
 
 from bench_real import CALIB, EVAL, MODEL  # this folder is on sys.path when run
 from bench_recovery import EVAL_START
-from compare_recovery import ACTIVE, RECOVERY, RUNS, set_args
+from compare_recovery import ACTIVE, RECOVERY, RUNS, TRANSFER_TEXTS, set_args
 from results_file import append_row, git_commit, read_rows
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_attention_split.jsonl"
@@ -80,26 +81,49 @@ def variant_row(name: str, work: Path, eval_file: Path) -> dict[str, Any]:
             "eval": record["data"]["eval"], "commit": git_commit()}
 
 
-def full_row(name: str, work: Path, eval_file: Path) -> dict[str, Any] | None:
+def evaluate(model: Path | str, texts: list[Path], result: Path) -> dict[str, float]:
+    """``moeify eval`` of ``model`` on ``texts`` (kept in ``result``: a sweep stopped part way continues):
+    perplexity per text name, and the APR under ``"apr"``."""
+    if not result.is_file():
+        data = [arg for text in texts for arg in ("--data", str(text))]
+        subprocess.run([sys.executable, "-m", "moeify", "eval", str(model), *data, "--seq-len", "2048", "--json",
+                        str(result)], check=True)
+    scores = json.loads(result.read_text())
+    return {**scores["ppl"], "apr": scores["active"]["apr"]}
+
+
+def full_row(name: str, work: Path, texts: list[Path]) -> dict[str, Any] | None:
     """The model of compare_recovery's run ``name`` (the table's whole budget, where its folder exists)
-    evaluated on the held-out text, so that the runs of the whole budget are ranked apart from the table's
-    text too (its conversion's perplexity before the recovery was measured on the table's text only)."""
+    evaluated on the held-out text, ``texts[0]``, so that the runs of the whole budget are ranked apart from
+    the table's text too (its conversion's perplexity before the recovery was measured on the table's text
+    only), and on the other ``texts``, unlike the training text, beside the dense model's."""
     folder = RUNS[name].out / "cmoe"
     if not (folder / "record.json").is_file():
         return None
-    result = work / f"full-{name}.json"
-    if not result.is_file():
-        subprocess.run([sys.executable, "-m", "moeify", "eval", str(folder), "--data", str(eval_file),
-                        "--seq-len", "2048", "--json", str(result)], check=True)
-    scores, record = json.loads(result.read_text()), json.loads((folder / "record.json").read_text())
+    scores = evaluate(folder, texts, work / f"full-{name}-texts.json")
+    dense = evaluate(MODEL, texts[1:], work / "dense-other-texts.json")
+    record = json.loads((folder / "record.json").read_text())
     config, sets = record["config"], RUNS[name].sets
     spec = f"S{config['num_shared']}A{config['top_k']}E{config['num_experts']}"
     return {"variant": name, "conversion": "compare_recovery",
             "cmoe": {"attention_sparsity": sets["cmoe.attention_sparsity"]}, "spec": spec,
             "recovery": {k: v for k, v in sets.items() if k.startswith("recover_") and k != "recover_lm_share"},
             "tokens": record["recovery"]["tokens"], "dense_ppl": None, "ppl_before": None,
-            "ppl": next(iter(scores["ppl"].values())), "apr": scores["active"]["apr"], "eval": eval_file.name,
-            "commit": git_commit()}
+            "ppl": scores[texts[0].name], "apr": scores["apr"], "eval": texts[0].name,
+            "other_ppl": {t.name: scores[t.name] for t in texts[1:]},
+            "dense_other_ppl": {t.name: dense[t.name] for t in texts[1:]}, "commit": git_commit()}
+
+
+def other_texts_markdown(rows: list[dict[str, Any]]) -> str:
+    """The whole-budget rows' perplexity on the other texts, beside the dense model's."""
+    full = [r for r in rows if "other_ppl" in r]
+    if not full:
+        return ""
+    names = list(full[0]["other_ppl"])
+    lines = ["| model | " + " | ".join(f"PPL {n.split('_first')[0]}" for n in names) + " |",
+             "|---|" + "---|" * len(names), "| dense | " + " | ".join(f"{full[0]['dense_other_ppl'][n]:.2f}" for n in names) + " |"]
+    lines += [f"| {r['variant']} | " + " | ".join(f"{r['other_ppl'][n]:.2f}" for n in names) + " |" for r in full]
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -113,7 +137,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r['recovery'].get('recover_lr_schedule', 'constant')} | {r['tokens'] // 1000}k | "
                      f"{r['apr']:.3f} | {before} | {r['ppl']:.2f} |")
     dense = f"\n\nDense SmolLM2-135M on the same text: {rows[0]['dense_ppl']:.2f}." if rows else ""
-    return "\n".join(lines) + dense
+    other = other_texts_markdown(rows)
+    return "\n".join(lines) + dense + (f"\n\nThe `200k` rows on other text (the first {EVAL_CHARS:,} characters of "
+                                       f"each):\n\n{other}" if other else "")
 
 
 def main() -> None:
@@ -121,7 +147,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-attention-split"))
     parser.add_argument("--full", action="store_true", help="evaluate the models of compare_recovery's runs of "
-                        f"this structure ({', '.join(FULL_RUNS)}) on the held-out text")
+                        f"this structure ({', '.join(FULL_RUNS)}) on the held-out text and on "
+                        f"{', '.join(TRANSFER_TEXTS)}")
     parser.add_argument("--markdown", action="store_true", help="print the table of the results file")
     args = parser.parse_args()
     if args.markdown:
@@ -134,8 +161,12 @@ def main() -> None:
     eval_file.write_text(EVAL.read_text()[EVAL_START:EVAL_START + EVAL_CHARS])
     done = {r["variant"] for r in read_rows(OUT)} if OUT.is_file() else set()
     if args.full:
+        texts = [eval_file]
+        for text, path in TRANSFER_TEXTS.items():
+            texts.append(args.work / f"{text}_first{EVAL_CHARS}.txt")
+            texts[-1].write_text(path.read_text()[:EVAL_CHARS])
         for name in FULL_RUNS:
-            if name not in done and (row := full_row(name, args.work, eval_file)):
+            if name not in done and (row := full_row(name, args.work, texts)):
                 append_row(OUT, row)
         return
     for name in args.variants.split(","):
