@@ -120,9 +120,13 @@ def other_texts_markdown(rows: list[dict[str, Any]]) -> str:
     if not full:
         return ""
     names = list(full[0]["other_ppl"])
+
+    def cells(ppl: dict[str, float]) -> str:
+        return " | ".join(f"{ppl[n]:.2f}" for n in names)
+
     lines = ["| model | " + " | ".join(f"PPL {n.split('_first')[0]}" for n in names) + " |",
-             "|---|" + "---|" * len(names), "| dense | " + " | ".join(f"{full[0]['dense_other_ppl'][n]:.2f}" for n in names) + " |"]
-    lines += [f"| {r['variant']} | " + " | ".join(f"{r['other_ppl'][n]:.2f}" for n in names) + " |" for r in full]
+             "|---|" + "---|" * len(names), f"| dense | {cells(full[0]['dense_other_ppl'])} |"]
+    lines += [f"| {r['variant']} | {cells(r['other_ppl'])} |" for r in full]
     return "\n".join(lines)
 
 
