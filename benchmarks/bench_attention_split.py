@@ -51,6 +51,18 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "linear": ("s0.5", {"recover_lr_schedule": "linear"})}
 
 
+def spec_of(record: dict[str, Any]) -> str:
+    """The CMoE spec (``SsAaEe``) a run's record was converted at."""
+    config = record["config"]
+    return f"S{config['num_shared']}A{config['top_k']}E{config['num_experts']}"
+
+
+def text_slice(source: Path, start: int, out: Path) -> Path:
+    """``EVAL_CHARS`` characters of ``source`` from ``start``, written to ``out``."""
+    out.write_text(source.read_text()[start:start + EVAL_CHARS])
+    return out
+
+
 def convert(name: str, work: Path, eval_file: Path) -> Path:
     """The conversion ``name`` (made once): its run folder."""
     out = work / name
@@ -72,9 +84,8 @@ def variant_row(name: str, work: Path, eval_file: Path) -> dict[str, Any]:
                         str(out), "--calib", str(CALIB), "--eval", str(eval_file), "--seq-len", "2048",
                         "--no-speed", *set_args({**RECOVERY, **options})], check=True)
     record = json.loads((out / "record.json").read_text())
-    config = record["config"]
     return {"variant": name, "conversion": conversion, "cmoe": CONVERSIONS[conversion],
-            "spec": f"S{config['num_shared']}A{config['top_k']}E{config['num_experts']}", "recovery": options,
+            "spec": spec_of(record), "recovery": options,
             "tokens": record["recovery"]["tokens"],
             "dense_ppl": record["metrics"]["dense_ppl"], "ppl_before": record["pre_recovery"]["ppl"],
             "ppl": record["metrics"]["ppl"], "apr": record["active"]["apr"], "recover_s": record["recovery"]["wall_s"],
@@ -102,11 +113,9 @@ def full_row(name: str, work: Path, texts: list[Path]) -> dict[str, Any] | None:
         return None
     scores = evaluate(folder, texts, work / f"full-{name}-texts.json")
     dense = evaluate(MODEL, texts[1:], work / "dense-other-texts.json")
-    record = json.loads((folder / "record.json").read_text())
-    config, sets = record["config"], RUNS[name].sets
-    spec = f"S{config['num_shared']}A{config['top_k']}E{config['num_experts']}"
+    record, sets = json.loads((folder / "record.json").read_text()), RUNS[name].sets
     return {"variant": name, "conversion": "compare_recovery",
-            "cmoe": {"attention_sparsity": sets["cmoe.attention_sparsity"]}, "spec": spec,
+            "cmoe": {"attention_sparsity": sets["cmoe.attention_sparsity"]}, "spec": spec_of(record),
             "recovery": {k: v for k, v in sets.items() if k.startswith("recover_") and k != "recover_lm_share"},
             "tokens": record["recovery"]["tokens"], "dense_ppl": None, "ppl_before": None,
             "ppl": scores[texts[0].name], "apr": scores["apr"], "eval": texts[0].name,
@@ -161,14 +170,12 @@ def main() -> None:
     if unknown := [v for v in args.variants.split(",") if v not in VARIANTS]:
         parser.error(f"--variants {','.join(unknown)}: not one of {','.join(VARIANTS)}")
     args.work.mkdir(parents=True, exist_ok=True)
-    eval_file = args.work / f"wikitext2_raw_test_{EVAL_START}_{EVAL_START + EVAL_CHARS}.txt"
-    eval_file.write_text(EVAL.read_text()[EVAL_START:EVAL_START + EVAL_CHARS])
+    held_out = f"wikitext2_raw_test_{EVAL_START}_{EVAL_START + EVAL_CHARS}.txt"
+    eval_file = text_slice(EVAL, EVAL_START, args.work / held_out)
     done = {r["variant"] for r in read_rows(OUT)} if OUT.is_file() else set()
     if args.full:
-        texts = [eval_file]
-        for text, path in TRANSFER_TEXTS.items():
-            texts.append(args.work / f"{text}_first{EVAL_CHARS}.txt")
-            texts[-1].write_text(path.read_text()[:EVAL_CHARS])
+        texts = [eval_file, *(text_slice(path, 0, args.work / f"{text}_first{EVAL_CHARS}.txt")
+                              for text, path in TRANSFER_TEXTS.items())]
         for name in FULL_RUNS:
             if name not in done and (row := full_row(name, args.work, texts)):
                 append_row(OUT, row)
