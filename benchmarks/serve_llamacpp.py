@@ -26,7 +26,8 @@ definition, ``conversion``, and its form, ``format``):
 - speed at batch 1, the CPU to itself (perplexity and speed with llama.cpp's default f16 KV cache for every
   file but f32): prompt processing of a 512-token prompt and generation of 128 tokens (tokens/s, median of
   ``--repeats`` rounds, each running every row's file of the quantisation once, so each row's speed against
-  the dense model is the median of ratios measured side by side), with ``--threads`` threads.
+  the dense model is the median of ratios measured side by side; generation as one over a round's median
+  time per token, its mean beside it), with ``--threads`` threads.
 
 The conversions read the SmolLM2 GGUF itself, so the exports carry its tokenizer section as it is.
 llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
@@ -376,26 +377,32 @@ def speed(paths: dict[str, Path], prompt: list[int], threads: int, repeats: int,
     """Batch-1 prompt processing (``len(prompt)`` tokens) and greedy generation (``SPEED_NEW`` tokens) in
     tokens/s of each row's file, interleaved: every round runs each file once (in an order that turns each
     round), so a slow spell of the CPU falls on every row alike; after one warm-up round, the median of
-    ``repeats`` rounds, and where ``dense`` is among them each row's median per-round ratio to it. Only the
-    last position's logits are computed, read from the context (llama-cpp-python keeps ``scores`` only with
-    ``logits_all``)."""
+    ``repeats`` rounds, and where ``dense`` is among them each row's median per-round ratio to it.
+    Generation speed is one over the round's median time per token (a token the CPU was taken from
+    in the middle of lengthens the mean, not the median: serving benchmarks' median time per output token);
+    the mean (tokens over the round's time) is kept beside it. Only the last position's logits are computed,
+    read from the context (llama-cpp-python keeps ``scores`` only with ``logits_all``)."""
     import llama_cpp
     import numpy as np
 
     engines = {row: llama(path, len(prompt) + SPEED_NEW + 8, threads, kv_cache) for row, path in paths.items()}
 
-    def once(llm: Any) -> tuple[float, float]:
+    def once(llm: Any) -> dict[str, float]:
         vocab = llm.n_vocab()
         llm.reset()
         began = time.perf_counter()
         llm.eval(prompt)
         prompted = time.perf_counter()
+        steps = []
         for _ in range(SPEED_NEW):
+            step = time.perf_counter()
             llm.eval([int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())])
-        return len(prompt) / (prompted - began), SPEED_NEW / (time.perf_counter() - prompted)
+            steps.append(time.perf_counter() - step)
+        return {"prompt": len(prompt) / (prompted - began), "generation": 1 / statistics.median(steps),
+                "generation_mean": SPEED_NEW / sum(steps)}
 
     order = list(engines)
-    runs: dict[str, list[tuple[float, float]]] = {row: [] for row in order}
+    runs: dict[str, list[dict[str, float]]] = {row: [] for row in order}
     for round_ in range(repeats + 1):
         turned = order[round_ % len(order):] + order[:round_ % len(order)]
         measured = {row: once(engines[row]) for row in turned}
@@ -403,17 +410,16 @@ def speed(paths: dict[str, Path], prompt: list[int], threads: int, repeats: int,
             for row in order:
                 runs[row].append(measured[row])
     results = {}
-    for row, pairs in runs.items():
-        prefill, generate = [p for p, _ in pairs], [g for _, g in pairs]
-        results[row] = {"prompt_tokens_per_s": statistics.median(prefill),
-                        "generation_tokens_per_s": statistics.median(generate),
-                        "prompt_spread": (max(prefill) - min(prefill)) / statistics.median(prefill),
-                        "generation_spread": (max(generate) - min(generate)) / statistics.median(generate),
-                        "threads": threads, "repeats": repeats, "prompt_len": len(prompt), "new_tokens": SPEED_NEW,
-                        "interleaved_with": order}
-        if "dense" in runs and row != "dense":
-            results[row].update({f"{kind}_x_dense": statistics.median(a[i] / b[i] for a, b in zip(pairs, runs["dense"]))
-                                 for i, kind in enumerate(("prompt", "generation"))})
+    for row, rounds in runs.items():
+        results[row] = {"threads": threads, "repeats": repeats, "prompt_len": len(prompt), "new_tokens": SPEED_NEW,
+                        "generation_statistic": "median time per token", "interleaved_with": order}
+        for kind in ("prompt", "generation", "generation_mean"):
+            values = [r[kind] for r in rounds]
+            results[row][f"{kind}_tokens_per_s"] = statistics.median(values)
+            results[row][f"{kind}_spread"] = (max(values) - min(values)) / statistics.median(values)
+            if "dense" in runs and row != "dense":
+                results[row][f"{kind}_x_dense"] = statistics.median(
+                    r[kind] / d[kind] for r, d in zip(rounds, runs["dense"]))
     return results
 
 

@@ -2,13 +2,17 @@
 ``--approximate`` fits linear routers to its decisions and reports agreement and perplexity change."""
 
 import json
+import shutil
+from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import moeify
 from moeify.api import ConversionResult
+from moeify.api.export import export_folder
 from moeify.cli.main import main
 from moeify.export.hf_distill import (
     SCORE_SPAN,
@@ -22,6 +26,8 @@ from moeify.methods.cmoe import CmoeConfig
 from moeify.methods.cmoe.convert import convert
 from moeify.options import build_config
 from tests.helpers.conversion import clone, conversion_context
+
+EMBEDDED_TOKENIZER = Path(moeify.__file__).parent / "data" / "stories260K" / "tokenizer.model"
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +112,23 @@ def test_a_top2_cmoe_exports_as_qwen2_moe_with_renormalised_weights(stories, tok
     assert all(layer["top_k"] == 2 and 0 < layer["max_weight_dev_from_1"] < 2 * SCORE_SPAN
                for layer in fitted["layers"])
     assert 1 / 21 < fitted["held_out_agreement"]  # beats chance: C(7, 2) = 21 sets
+
+
+@pytest.mark.slow  # three exports of 50 distillation steps each, and their perplexities
+def test_a_gguf_of_fitted_top1_routers_goes_through_mixtral_computing_the_granitemoeshared_form(cmoe_folder,
+                                                                                                 tmp_path):
+    """Fitted top-1 routers weigh the chosen expert 1, so llama.cpp's llama with experts (the shared part
+    folded into every expert: one routed product per layer) holds the approximation at the neurons per
+    token of granitemoe's shared and routed products; the same seed fits the same routers in each."""
+    native = shutil.copytree(cmoe_folder, tmp_path / "native")
+    shutil.copy(EMBEDDED_TOKENIZER, native / "tokenizer.model")  # the GGUF's tokenizer: SentencePiece's
+    record = export_folder(native, "gguf", tmp_path / "c.gguf", approximate=True, distill_steps=50)
+    assert record["format"] == "mixtral" and record["exact"] is False
+    fields = gguf.GGUFReader(tmp_path / "c.gguf").fields
+    assert fields["general.architecture"].contents() == "llama" and fields["llama.expert_count"].contents() == 7
+    logits = []
+    for fmt in ("mixtral", "granitemoeshared"):
+        export_folder(native, fmt, tmp_path / fmt, approximate=True, distill_steps=50)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32)
+        logits.append(model(input_ids=torch.arange(3, 67)[None]).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-4)  # float32 sums in another order

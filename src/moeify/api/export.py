@@ -78,11 +78,11 @@ def export_folder(source: str | Path, fmt: str, out: str | Path, *, approximate:
         places = [source, *([record["dense_model"]] if "dense_model" in record else [])]
         vocabulary = gguf_export.vocabulary(places, model.config.vocab_size)
     export = _built(exporter_named(fmt), model, tokenizer, record, approximate=approximate, dense_layers=dense_layers,
-                    distill_steps=distill_steps, calib=calib, eval=eval, seed=seed)
+                    distill_steps=distill_steps, calib=calib, eval=eval, seed=seed, gguf=vocabulary is not None)
     if vocabulary is None:
         save_hf(export, out, tokenizer, overwrite=overwrite, record=record)
     else:
-        _refuse_unsupported(fmt, export.model.config)  # what only the built export's config says
+        _refuse_unsupported(export.format, export.model.config)  # what only the built export's config says
         record["gguf"] = {"quant": quant, "tokenizer": vocabulary.source}
         record["gguf"].update(gguf_export.write_gguf(export, out, vocabulary, quant, record))
     return {**export.record, **record}
@@ -94,19 +94,21 @@ def _refuse_unsupported(fmt: str, config: Any) -> None:
                             + "\n".join(f"  - {reason}" for reason in reasons))
 
 
-def gguf_route(model: PreTrainedModel) -> str:
+def gguf_route(model: PreTrainedModel, approximation: Approximation = EXACT) -> str:
     """The standard format a GGUF file is written through: ``llama`` for a dense model; else ``mixtral``
     (llama.cpp's llama with experts) where it holds the routing exactly at no more neurons per token
     than the format chosen below: one routed product per layer, the shared part folded into every expert,
     where granitemoe runs a shared product beside the routed one, so fewer operations per token at the same
     multiply-accumulates (more bytes on disk: each expert holds the shared part); else ``granitemoeshared``
     where it holds the routing exactly, else ``qwen2_moe`` where that does (softmax weights not
-    renormalised: Dense2MoE's), else ``granitemoeshared`` (through its approximation, or its refusal)."""
-    if EXPORTERS["llama"].supports(model):
+    renormalised: Dense2MoE's), else ``granitemoeshared`` (through its approximation, or its refusal).
+    With ``approximation`` (``--approximate``'s parts, fitted for the format this route picks without it),
+    the same rule on what the approximation computes: CMoE's fitted top-1 routers go through ``mixtral``."""
+    if EXPORTERS["llama"].supports(model, approximation=approximation):
         return "llama"
     for fmt in ("granitemoeshared", "qwen2_moe"):
-        if (neurons := EXPORTERS[fmt].neurons_per_token(model)) is not None:  # fmt holds it exactly
-            folded = EXPORTERS["mixtral"].neurons_per_token(model)
+        if (neurons := EXPORTERS[fmt].neurons_per_token(model, approximation)) is not None:  # fmt holds it
+            folded = EXPORTERS["mixtral"].neurons_per_token(model, approximation)
             return "mixtral" if folded is not None and folded <= neurons else fmt
     return "granitemoeshared"
 
@@ -136,9 +138,10 @@ def _check_request(source: str | Path, fmt: str, out: Path, *, quant: str, appro
 
 def _built(exporter: HfExporter, model: PreTrainedModel, tokenizer: Any, record: dict[str, Any], *,
            approximate: bool, dense_layers: list[int] | str | None, distill_steps: int | None,
-           calib: str | Path | None, eval: str | Path | None, seed: int) -> HfExport:
+           calib: str | Path | None, eval: str | Path | None, seed: int, gguf: bool = False) -> HfExport:
     """The standard-format model; with ``approximate``, of the closest forms, whose agreement and perplexity
-    change go to ``record["approximation"]``."""
+    change go to ``record["approximation"]``; for a GGUF file (``gguf``), in the format ``gguf_route``
+    picks for the approximation."""
     named = Approximation(dense_layers=frozenset(dense_layers)) if isinstance(dense_layers, list) else EXACT
     if not approximate:
         return exporter.build(model)
@@ -150,6 +153,8 @@ def _built(exporter: HfExporter, model: PreTrainedModel, tokenizer: Any, record:
     approximation, parts = approximate_parts(model, tokenizer, calib_source, eval_source, steps=steps,
                                              seq_len=seq_len, seed=seed, dense_layers=dense_layers or (),
                                              fmt=exporter.name)
+    if gguf:
+        exporter = EXPORTERS[gguf_route(model, approximation)]
     export = exporter.build(model, approximation=approximation)
     context = model.config.max_position_embeddings
     before = perplexity(model, tokenizer, eval_source, context).ppl

@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--quant", default="f16", choices=("f32", "f16", "q8_0", "q4_k_m"),
                         help="gguf only: the type of its matrices (norms and routers stay float32). f32, f16 and "
                              "q8_0 are written by the gguf package; q4_k_m by llama.cpp's quantiser, which needs "
-                             "llama-quantize on PATH or llama-cpp-python installed (default f16)")
+                             "llama-quantize on PATH or llama-cpp-python installed, with llama.cpp's mix of types "
+                             "except that an 8-expert model's attention keeps the types of the dense model's "
+                             "q4_k_m, where llama.cpp would raise them for Mixtral (default f16)")
     parser.add_argument("--check", action="store_true", help="only say which formats represent the model, and why not")
     parser.add_argument("--approximate", action="store_true",
                         help="write the closest form of what the format cannot represent (measured, reported)")

@@ -191,10 +191,10 @@ class HfExporter:
         support = self._analyse(model, approximation).support
         return support if explain else bool(support)
 
-    def neurons_per_token(self, model: PreTrainedModel) -> int | None:
-        """MLP neurons a token runs through in this format's exact layout of ``model`` (zero padding
-        included), or None where the format does not hold it exactly."""
-        analysis = self._analyse(model, EXACT)
+    def neurons_per_token(self, model: PreTrainedModel, approximation: Approximation = EXACT) -> int | None:
+        """MLP neurons a token runs through in this format's layout of ``model`` (zero padding included), with
+        ``approximation`` in place of what it names, or None where the format does not hold that exactly."""
+        analysis = self._analyse(model, approximation)
         return self.format.neurons_per_token(analysis.config) if analysis.support else None
 
     def cheapest_dense_layers(self, model: PreTrainedModel, approximation: Approximation = EXACT) -> list[int]:
