@@ -4,7 +4,7 @@ and prompt and generation speed against the dense model in the same quantisation
 Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go through the same writer) and
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
-granitemoe, Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
+mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
 experts, so the file holds E copies of their MLPs), each in every ``--quants``; the CMoE and ToMoE
 rows trained further by distillation (``recover_tokens``), as a served model is (the untrained rows route
 by margins that rounding crosses); and the ``_compared`` rows, the folders of ``compare_recovery.py``'s run
@@ -435,6 +435,9 @@ def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
     return dense / macs_per_token(load_model(str(native_folder(row, work, eval_text)), dtype="float32")[0], context)
 
 
+SPEED_KEYS = ("prompt_tokens_per_s", "generation_tokens_per_s", "prompt_x_dense", "generation_x_dense")
+
+
 def _agreement_cell(result: dict[str, Any]) -> str:
     return (f"{result['identical_sequences']}/{result['sequences']} / {result['argmax_differences']} of "
             f"{result['forced_positions']}")
@@ -444,8 +447,8 @@ def markdown(path: Path) -> str:
     """One line per (row, quantisation, KV cache), the latest of each in the row's latest definition and form
     (its format named with the row): perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
-    the same quantisation; a KV cache other than the quantisation's default (``kv_cache_type``) is named in
-    the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
+    the same quantisation, from the quantisation's latest speed run (a row outside it: none); a KV cache
+    other than the quantisation's default (``kv_cache_type``) is named in the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
     standard export, float32), which lines without a quantisation hold."""
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     converted: dict[str, dict[str, Any]] = {}
@@ -455,10 +458,14 @@ def markdown(path: Path) -> str:
         return line["format"], json.dumps(line.get("conversion"), sort_keys=True)
 
     latest = {line["row"]: made(line) for line in measured if "quant" in line}
+    # per quantisation, the rows of its latest speed run: speed is shown from that run alone
+    speed_run = {line["quant"]: line["interleaved_with"] for line in measured if "interleaved_with" in line}
     for line in measured:  # a later line's measurements replace an earlier one's, key by key
         if "quant" not in line:
             converted[line["row"]] = line
         elif made(line) == latest[line["row"]]:  # a row converted or written otherwise since: left out
+            if line.get("interleaved_with") != speed_run.get(line["quant"]):  # not that run's: no speed
+                line = {k: v for k, v in line.items() if k not in SPEED_KEYS}
             rows.setdefault((line["row"], line["quant"], line["kv_cache"]), {}).update(line)
     lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
               "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),

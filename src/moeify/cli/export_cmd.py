@@ -29,8 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "experts: the shared part folded into every expert, one routed product per layer) where that "
                     "costs no more neurons per token, else its granitemoeshared form (llama.cpp's granitemoe) or, "
                     "for softmax weights that are not renormalised, its qwen2_moe form (qwen2moe); a dense model "
-                    "in its llama form; with the dense model's tokenizer (from its GGUF file or its "
-                    "SentencePiece tokenizer.model), in --quant.")
+                    "in its llama form; with --approximate, the same choice for what the approximation computes "
+                    "(CMoE's fitted top-1 routers: mixtral); with the dense model's tokenizer (from its GGUF file "
+                    "or its SentencePiece tokenizer.model), in --quant.")
     parser.add_argument("model", type=Path, help="converted model folder (moeify convert --out)")
     parser.add_argument("--format", default=None, help="target architecture (see --check)")
     parser.add_argument("--out", type=Path, default=None,
