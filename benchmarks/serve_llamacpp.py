@@ -54,6 +54,7 @@ measured: its file is an approximation, as the default CMoE row's, whose agreeme
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -423,6 +424,15 @@ def speed(paths: dict[str, Path], prompt: list[int], threads: int, repeats: int,
     return results
 
 
+def build_of(row: str, work: Path, eval_text: Path) -> str | None:
+    """Which conversion of ``row`` was measured (None for the dense model): the start of the sha256 of its
+    ``record.json``, which each conversion writes anew (timings included), so the table takes no line of a
+    conversion made again since, even of the same definition."""
+    if ROWS[row] is None:
+        return None
+    return hashlib.sha256((native_folder(row, work, eval_text) / "record.json").read_bytes()).hexdigest()[:12]
+
+
 def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
     """The dense model's multiply-accumulates per token over the export's (at the speed prompt's context)."""
     if ROWS[row] is None:
@@ -444,8 +454,8 @@ def _agreement_cell(result: dict[str, Any]) -> str:
 
 
 def markdown(path: Path) -> str:
-    """One line per (row, quantisation, KV cache), the latest of each in the row's latest definition and form
-    (its format named with the row): perplexity through llama.cpp and its
+    """One line per (row, quantisation, KV cache), the latest of each in the row's latest definition, form
+    (its format named with the row) and conversion (``build``): perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
     the same quantisation, from the quantisation's latest speed run (a row outside it: none); a KV cache
     other than the quantisation's default (``kv_cache_type``) is named in the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
@@ -454,8 +464,8 @@ def markdown(path: Path) -> str:
     converted: dict[str, dict[str, Any]] = {}
     measured = read_rows(path)
 
-    def made(line: dict[str, Any]) -> tuple[str, str]:
-        return line["format"], json.dumps(line.get("conversion"), sort_keys=True)
+    def made(line: dict[str, Any]) -> tuple[str, str, str | None]:
+        return line["format"], json.dumps(line.get("conversion"), sort_keys=True), line.get("build")
 
     latest = {line["row"]: made(line) for line in measured if "quant" in line}
     # per quantisation, the rows of its latest speed run: speed is shown from that run alone
@@ -545,11 +555,12 @@ def main() -> None:
     ids = [tokenizer(p)["input_ids"][:PROMPT_TOKENS] for p in paragraphs[:PROMPTS]]
     speed_prompt = tokenizer(EVAL.read_text()[200_000:260_000])["input_ids"][:SPEED_PROMPT]
     ideal = {row: ideal_speedup(row, args.work, eval_text) for row in rows}
+    build = {row: build_of(row, args.work, eval_text) for row in rows}
 
     def line(row: str, quant: str, path: Path, kv_cache: str) -> dict[str, Any]:
         return {"row": row, "conversion": conversion(row), "quant": quant, "format": gguf_format(path),
                 "engine": "llama.cpp (llama-cpp-python 0.3.36)", "kv_cache": kv_cache, "bytes": path.stat().st_size,
-                "ideal_speedup": ideal[row]}
+                "ideal_speedup": ideal[row], "build": build[row]}
 
     for quant in quants:
         kv_cache = kv_cache_type(quant, args.kv_cache)
