@@ -4,8 +4,8 @@ and prompt and generation speed against the dense model in the same quantisation
 Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go through the same writer) and
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
-mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical
-experts, so the file holds E copies of their MLPs), each in every ``--quants``; the CMoE and ToMoE
+mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options;
+its dense layers as identical experts, so the file holds E copies of their MLPs), each in every ``--quants``; the CMoE and ToMoE
 rows trained further by distillation (``recover_tokens``), as a served model is (the untrained rows route
 by margins that rounding crosses); and the ``_compared`` rows, the folders of ``compare_recovery.py``'s run
 (MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own training and the same 200,000 tokens of
@@ -458,8 +458,9 @@ def markdown(path: Path) -> str:
     (its format named with the row) and conversion (``build``): perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
     the same quantisation, from the quantisation's latest speed run (a row outside it: none); a KV cache
-    other than the quantisation's default (``kv_cache_type``) is named in the quant column. Then the rows of the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a
-    standard export, float32), which lines without a quantisation hold."""
+    other than the quantisation's default (``kv_cache_type``) is named in the quant column. Then the rows of
+    the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a standard export, float32), which lines
+    without a quantisation hold."""
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     converted: dict[str, dict[str, Any]] = {}
     measured = read_rows(path)
