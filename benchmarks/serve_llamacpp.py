@@ -5,7 +5,8 @@ Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go th
 each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
 ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
 mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options;
-its dense layers as identical experts, so the file holds E copies of their MLPs), each in every ``--quants``; the CMoE and ToMoE
+its dense layers as identical experts, so the file holds E copies of their MLPs), each in every
+``--quants``; the CMoE and ToMoE
 rows trained further by distillation (``recover_tokens``), as a served model is (the untrained rows route
 by margins that rounding crosses); and the ``_compared`` rows, the folders of ``compare_recovery.py``'s run
 (MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own training and the same 200,000 tokens of
