@@ -1,17 +1,16 @@
 """llama.cpp runs moeify's GGUF exports of SmolLM2: the native greedy tokens, perplexity per quantisation,
 and prompt and generation speed against the dense model in the same quantisation.
 
-Rows: the dense SmolLM2 (written through the ``llama`` form, so both sides go through the same writer) and
-each default conversion that llama.cpp holds, in the form ``moeify export --format gguf`` picks: MoRE and
-ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through ``--approximate`` in
-mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's ``dense2moe`` options;
-its dense layers as identical experts, so the file holds E copies of their MLPs), each in every
-``--quants``; the CMoE and ToMoE
-rows trained further by distillation (``recover_tokens``), as a served model is (the untrained rows route
-by margins that rounding crosses); and the ``_compared`` rows, the folders of ``compare_recovery.py``'s run
-(MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own training and the same 200,000 tokens of
-recovery: that run makes them). Per row and quantisation, one JSON line in ``--out`` (with the row's
-definition, ``conversion``, and its form, ``format``):
+Rows (``llamacpp_rows.py``): the dense SmolLM2 (written through the ``llama`` form, so both sides go through
+the same writer) and each default conversion that llama.cpp holds, in the form ``moeify export --format gguf``
+picks: MoRE and ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through
+``--approximate`` in mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's
+``dense2moe`` options; its dense layers as identical experts, so the file holds E copies of their MLPs), each
+in every ``--quants``; the CMoE and ToMoE rows trained further by distillation (``recover_tokens``), as a
+served model is (the untrained rows route by margins that rounding crosses); and the ``_compared`` rows, the
+folders of ``compare_recovery.py``'s run (MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own
+training and the same 200,000 tokens of recovery: that run makes them). Per row and quantisation, one JSON line
+in ``--out`` (with the row's definition, ``conversion``, and its form, ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
   token ids, against moeify's native model (float32), the f32 file with a float32 KV cache (``--kv-cache``:
@@ -47,7 +46,7 @@ measured: its file is an approximation, as the default CMoE row's, whose agreeme
     python benchmarks/serve_llamacpp.py --rows dense,more,tomoe,cmoe,dense2moe,tomoe_recovered \
         --quants f16,q8_0,q4_k_m --measure agreement,perplexity
     python benchmarks/serve_llamacpp.py --rows cmoe_recovered --quants f16,q8_0,q4_k_m --measure perplexity
-    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed --repeats 9
+    python benchmarks/serve_llamacpp.py --quants f16,q8_0,q4_k_m --measure speed --repeats 9  # every row made here
     python benchmarks/serve_llamacpp.py --rows dense,cmoe,tomoe,cmoe_recovered,tomoe_recovered --quants q4_k_m \
         --measure speed --repeats 9 --threads 1 --out benchmarks/results/serve_llamacpp_threads1.jsonl
 """
@@ -55,159 +54,42 @@ measured: its file is an approximation, as the default CMoE row's, whose agreeme
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compare_recovery import DEFAULT_RUN, RUNS  # this folder is on sys.path when run
-from results_file import append_row, read_rows
+from llamacpp_rows import (  # this folder is on sys.path when run
+    ASSETS,
+    HERE,
+    MODEL,
+    QUANTS,
+    ROWS,
+    build_of,
+    conversion,
+    gguf_file,
+    gguf_format,
+    ideal_speedup,
+    kv_cache_type,
+    native_folder,
+    standard_export,
+)
+from llamacpp_table import markdown
+from results_file import append_row
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
-MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
 EVAL = ASSETS / "data" / "wikitext2_raw" / "wiki.test.raw.txt"
-HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "serve_llamacpp.jsonl"
 EVAL_CHARS, SEQ_LEN = 100_000, 2048  # bench_real's perplexity protocol
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 8, 32, 64  # serve_vllm's agreement prompts
 SPEED_PROMPT, SPEED_NEW = 512, 128
 
-
-@dataclass(frozen=True)
-class Row:
-    """A conversion llama.cpp runs: made here from the SmolLM2 GGUF with ``options``, or a finished folder of
-    ``compare_recovery.py``'s run (``folder``: converted at APR 0.5 and recovered with 200,000 tokens, the
-    models a user would serve); ``export``: its ``moeify export`` options beyond the format."""
-
-    method: str
-    options: dict[str, Any] = field(default_factory=dict)
-    export: tuple[str, ...] = ()
-    folder: Path | None = None
-
-
-COMPARED = RUNS[DEFAULT_RUN].out
-# row -> its conversion; None: the dense model
-ROWS: dict[str, Row | None] = {
-    "dense": None,
-    "more": Row("more"),
-    "tomoe": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}),
-    "cmoe": Row("cmoe", export=("--approximate",)),
-    "dense2moe": Row("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
-    # the default CMoE and ToMoE trained further by distillation (`recover_tokens`), as a served model is:
-    # the untrained rows route by margins that rounding crosses
-    "cmoe_recovered": Row("cmoe", {"recover_tokens": 100_000, "recover_lm_share": 0.0, "recover_recompute": False},
-                          ("--approximate",)),
-    "tomoe_recovered": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0,
-                                     "recover_tokens": 200_000, "recover_lm_share": 0.0, "recover_recompute": False}),
-    # the comparison's rows (each method's own training, then the same recovery): what a user would serve;
-    # CMoE's router and ToMoE's per-token attention dimensions (on by default) through ``--approximate``
-    **{f"{method}_compared": Row(method, export=("--approximate",) if method in ("cmoe", "tomoe") else (),
-                                 folder=COMPARED / method) for method in ("more", "tomoe", "cmoe", "dense2moe")},
-}
-QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 AGREEMENT_QUANTS = ("f32", "f16")
 MEASURES = ("agreement", "perplexity", "speed")
-
-
-def moeify_cli(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "moeify", *args], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"moeify {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-
-
-def native_folder(row: str, work: Path, eval_text: Path) -> Path:
-    """The native conversion of ``row``: made once from the SmolLM2 GGUF, or the finished folder it names."""
-    definition = ROWS[row]
-    if definition.folder is not None:
-        if not (definition.folder / "config.json").is_file():
-            raise SystemExit(f"row {row} runs {definition.folder}, which is not there: "
-                             f"python benchmarks/compare_recovery.py --methods {definition.method} makes it")
-        return definition.folder
-    folder = work / row
-    if not (folder / "config.json").is_file():
-        sets = [arg for key, value in definition.options.items() for arg in ("--set", f"{key}={value}")]
-        moeify_cli("convert", str(MODEL), "--method", definition.method, "--out", str(folder), "--calib", str(CALIB),
-                   "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
-    return folder
-
-
-def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
-    """``row``'s GGUF in ``quant`` (written once): the dense model through the llama form, an export through
-    ``moeify export --format gguf``."""
-    out = work / f"{row}.{quant}.gguf"
-    if out.is_file():
-        return out
-    if ROWS[row] is None:
-        from moeify.export.gguf import vocabulary, write_gguf
-        from moeify.export.hf_export import HfExport
-        from moeify.loading import load_model
-
-        model = load_model(str(MODEL), dtype="float32")[0]
-        write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
-        return out
-    from moeify.export.gguf.quantize import LLAMA_QUANTS, llama_quantize
-    from moeify.files import atomic_file
-
-    if quant in LLAMA_QUANTS:  # as `moeify export --quant` does: llama.cpp quantises the f16 file (one fit)
-        with atomic_file(out) as tmp:
-            llama_quantize(gguf_file(row, "f16", work, eval_text), tmp, quant)
-        return out
-    moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", "gguf", "--quant", quant,
-               "--out", str(out), *export_options(row, eval_text))
-    return out
-
-
-def conversion(row: str) -> dict[str, Any] | None:
-    """What ``row`` is (method, conversion options or folder, export options), written with each of its lines so that
-    the table takes only the lines of the row's latest definition; None for the dense model."""
-    definition = ROWS[row]
-    if definition is None:
-        return None
-    made = {"options": definition.options} if definition.folder is None else {
-        "folder": str(definition.folder.relative_to(HERE))}
-    return {"method": definition.method, **made, "export": list(definition.export)}
-
-
-def export_options(row: str, eval_text: Path) -> tuple[str, ...]:
-    """``row``'s ``moeify export`` options beyond the format (an approximation's texts with it)."""
-    extra = ROWS[row].export
-    return (*extra, "--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
-
-
-def gguf_format(path: Path) -> str:
-    """The standard form a GGUF file of moeify's was written through (``llama`` for the dense model's)."""
-    from gguf import GGUFReader
-
-    from moeify.export.gguf import RECORD_KEY
-
-    return json.loads(GGUFReader(path).fields[RECORD_KEY].contents()).get("format", "llama")
-
-
-def standard_export(row: str, fmt: str, work: Path, eval_text: Path) -> Path:
-    """``row``'s standard Hugging Face folder in ``fmt``, with the options of its GGUF (made once): the
-    dense model as transformers saves it, a conversion through ``moeify export``."""
-    folder = work / f"{row}-{fmt}"
-    if (folder / "config.json").is_file():
-        return folder
-    if ROWS[row] is None:
-        from moeify.loading import load_model
-
-        model, tokenizer = load_model(str(MODEL), dtype="float32")
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    else:
-        moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", fmt, "--out", str(folder),
-                   *export_options(row, eval_text))
-    return folder
 
 
 def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama_cpp: Path) -> dict[str, Any]:
@@ -236,12 +118,6 @@ def converter_agreement(row: str, path: Path, work: Path, eval_text: Path, llama
             and np.array_equal(np.asarray(a[n].data).view(np.uint8), np.asarray(b[n].data).view(np.uint8))]
     return {"converter": {"identical_tensors": len(same), "tensors": len(a), "converter_tensors": len(b),
                           "differing_keys": differing}}
-
-
-def kv_cache_type(quant: str, asked: str) -> str:
-    """The KV cache's type for a file in ``quant``: ``asked``, or for ``auto`` float32 with an f32 file (so
-    the file alone is measured against the native float32 model) and llama.cpp's default f16 otherwise."""
-    return asked if asked != "auto" else "f32" if quant == "f32" else "f16"
 
 
 def llama(path: Path, n_ctx: int, threads: int, kv_cache: str, logits_all: bool = False) -> Any:
@@ -425,101 +301,12 @@ def speed(paths: dict[str, Path], prompt: list[int], threads: int, repeats: int,
     return results
 
 
-def build_of(row: str, work: Path, eval_text: Path) -> str | None:
-    """Which conversion of ``row`` was measured (None for the dense model): the start of the sha256 of its
-    ``record.json``, which each conversion writes anew (timings included), so the table takes no line of a
-    conversion made again since, even of the same definition."""
-    if ROWS[row] is None:
-        return None
-    return hashlib.sha256((native_folder(row, work, eval_text) / "record.json").read_bytes()).hexdigest()[:12]
-
-
-def ideal_speedup(row: str, work: Path, eval_text: Path) -> float | None:
-    """The dense model's multiply-accumulates per token over the export's (at the speed prompt's context)."""
-    if ROWS[row] is None:
-        return None
-    from moeify.evaluation.speed import macs_per_token
-    from moeify.loading import load_model
-
-    context = SPEED_PROMPT + SPEED_NEW
-    dense = macs_per_token(load_model(str(MODEL), dtype="float32")[0], context)
-    return dense / macs_per_token(load_model(str(native_folder(row, work, eval_text)), dtype="float32")[0], context)
-
-
-SPEED_KEYS = ("prompt_tokens_per_s", "generation_tokens_per_s", "prompt_x_dense", "generation_x_dense")
-
-
-def _agreement_cell(result: dict[str, Any]) -> str:
-    return (f"{result['identical_sequences']}/{result['sequences']} / {result['argmax_differences']} of "
-            f"{result['forced_positions']}")
-
-
-def markdown(path: Path) -> str:
-    """One line per (row, quantisation, KV cache), the latest of each in the row's latest definition, form
-    (its format named with the row) and conversion (``build``): perplexity through llama.cpp and its
-    change from the same row's f16, agreement with the native model, and speed against the dense model's in
-    the same quantisation, from the quantisation's latest speed run (a row outside it: none); a KV cache
-    other than the quantisation's default (``kv_cache_type``) is named in the quant column. Then the rows of
-    the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a standard export, float32), which lines
-    without a quantisation hold."""
-    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    converted: dict[str, dict[str, Any]] = {}
-    measured = read_rows(path)
-
-    def made(line: dict[str, Any]) -> tuple[str, str, str | None]:
-        return line["format"], json.dumps(line.get("conversion"), sort_keys=True), line.get("build")
-
-    latest = {line["row"]: made(line) for line in measured if "quant" in line}
-    # per quantisation, the rows of its latest speed run: speed is shown from that run alone
-    speed_run = {line["quant"]: line["interleaved_with"] for line in measured if "interleaved_with" in line}
-    for line in measured:  # a later line's measurements replace an earlier one's, key by key
-        if "quant" not in line:
-            converted[line["row"]] = line
-        elif made(line) == latest[line["row"]]:  # a row converted or written otherwise since: left out
-            if line.get("interleaved_with") != speed_run.get(line["quant"]):  # not that run's: no speed
-                line = {k: v for k, v in line.items() if k not in SPEED_KEYS}
-            rows.setdefault((line["row"], line["quant"], line["kv_cache"]), {}).update(line)
-    lines = [("| row | quant | size MiB | PPL (llama.cpp) | vs own f16 | identical greedy / argmax differences "
-              "teacher-forced | prompt tok/s | x dense | generation tok/s | x dense | FLOP ideal |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
-    for (name, quant, kv), row in sorted(rows.items(), key=lambda item: (
-            list(ROWS).index(item[0][0]), QUANTS.index(item[0][1]), item[0][2] != kv_cache_type(item[0][1], "auto"))):
-        default_kv = kv == kv_cache_type(quant, "auto")
-        f16 = rows.get((name, "f16", "f16"), {}).get("ppl")
-        change = f"{row['ppl'] / f16 - 1:+.1%}" if f16 and "ppl" in row and quant != "f16" else "-"
-        agree = _agreement_cell(row) if "identical_sequences" in row else "-"
-        if "against_export" in row:  # an approximation: also against what the file holds
-            agree += f" (its {row['against_export']['format']} export: {_agreement_cell(row['against_export'])})"
-        dense = rows.get(("dense", quant, kv), {})
-        ratios = [f"{row[f'{kind}_x_dense']:.2f}x" if f"{kind}_x_dense" in row  # interleaved with dense
-                  else f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
-                  for kind, k in (("prompt", "prompt_tokens_per_s"), ("generation", "generation_tokens_per_s"))]
-        ideal = f"{row['ideal_speedup']:.2f}x" if row.get("ideal_speedup") else "-"
-        ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
-        prompt = f"{row['prompt_tokens_per_s']:.0f}" if "prompt_tokens_per_s" in row else "-"
-        generation = f"{row['generation_tokens_per_s']:.1f}" if "generation_tokens_per_s" in row else "-"
-        label = quant if default_kv else f"{quant}, KV cache {kv}"
-        lines.append(f"| {name} ({row['format']}) | {label} | {row['bytes'] / 2**20:.1f} | {ppl} | {change} | "
-                     f"{agree} | {prompt} | {ratios[0]} | {generation} | {ratios[1]} | {ideal} |")
-    if converted:
-        lines += [""] if lines else []  # a blank line between the two tables
-        lines += [("| row (converter route, f32) | format | identical greedy sequences | "
-                   "teacher-forced: argmax differences / positions | largest logit difference | NaN |"),
-                  "|---|---|---|---|---|---|"]
-        for name, row in converted.items():
-            if "conversion_error" in row:
-                lines.append(f"| {name} | {row['format']} | not converted: {row['conversion_error']} | - | - | - |")
-                continue
-            forced = f"{row['argmax_differences']} / {row['forced_positions']}" if "forced_positions" in row else "-"
-            largest = f"{row['max_abs_logit_diff']:.3f}" if "max_abs_logit_diff" in row else "-"
-            lines.append(f"| {name} | {row['format']} | {row['identical_sequences']}/{row['sequences']} | {forced} | "
-                         f"{largest} | {'yes' if row['nan_logits'] else 'no'} |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    made_here = [row for row, definition in ROWS.items() if definition is None or definition.folder is None]
+    parser.add_argument("--rows", default=",".join(made_here),
+                        help=f"comma-separated, of {', '.join(ROWS)} (default: the rows made here; the _compared "
+                             "rows run compare_recovery.py's models)")
     parser.add_argument("--quants", default=",".join(QUANTS), help=f"comma-separated, of {', '.join(QUANTS)}")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeify-llamacpp"))
     parser.add_argument("--threads", type=int, default=2)
@@ -556,7 +343,7 @@ def main() -> None:
     paragraphs = [line.strip() for line in EVAL.read_text().splitlines() if len(line.strip()) > 400]
     ids = [tokenizer(p)["input_ids"][:PROMPT_TOKENS] for p in paragraphs[:PROMPTS]]
     speed_prompt = tokenizer(EVAL.read_text()[200_000:260_000])["input_ids"][:SPEED_PROMPT]
-    ideal = {row: ideal_speedup(row, args.work, eval_text) for row in rows}
+    ideal = {row: ideal_speedup(row, args.work, eval_text, SPEED_PROMPT + SPEED_NEW) for row in rows}
     build = {row: build_of(row, args.work, eval_text) for row in rows}
 
     def line(row: str, quant: str, path: Path, kv_cache: str) -> dict[str, Any]:

@@ -1,0 +1,171 @@
+"""The rows of ``serve_llamacpp.py``: the SmolLM2 conversions llama.cpp runs, and their files (the native
+folder, a GGUF per quantisation, a standard Hugging Face export), each made once in the work folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compare_recovery import DEFAULT_RUN, RUNS  # this folder is on sys.path when run
+
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIB = ASSETS / "data" / "wikitext2" / "valid.txt"
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Row:
+    """A conversion llama.cpp runs: made here from the SmolLM2 GGUF with ``options``, or a finished folder of
+    ``compare_recovery.py``'s run (``folder``: converted at APR 0.5 and recovered with 200,000 tokens, the
+    models a user would serve); ``export``: its ``moeify export`` options beyond the format."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    export: tuple[str, ...] = ()
+    folder: Path | None = None
+
+
+COMPARED = RUNS[DEFAULT_RUN].out
+# row -> its conversion; None: the dense model
+ROWS: dict[str, Row | None] = {
+    "dense": None,
+    "more": Row("more"),
+    "tomoe": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}),
+    "cmoe": Row("cmoe", export=("--approximate",)),
+    "dense2moe": Row("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
+    # the default CMoE and ToMoE trained further by distillation (`recover_tokens`), as a served model is:
+    # the untrained rows route by margins that rounding crosses
+    "cmoe_recovered": Row("cmoe", {"recover_tokens": 100_000, "recover_lm_share": 0.0, "recover_recompute": False},
+                          ("--approximate",)),
+    "tomoe_recovered": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0,
+                                     "recover_tokens": 200_000, "recover_lm_share": 0.0, "recover_recompute": False}),
+    # the comparison's rows (each method's own training, then the same recovery): what a user would serve;
+    # CMoE's router and ToMoE's per-token attention dimensions (on by default) through ``--approximate``
+    **{f"{method}_compared": Row(method, export=("--approximate",) if method in ("cmoe", "tomoe") else (),
+                                 folder=COMPARED / method) for method in ("more", "tomoe", "cmoe", "dense2moe")},
+}
+QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
+
+
+def moeify_cli(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "moeify", *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"moeify {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
+def native_folder(row: str, work: Path, eval_text: Path) -> Path:
+    """The native conversion of ``row``: made once from the SmolLM2 GGUF, or the finished folder it names."""
+    definition = ROWS[row]
+    if definition.folder is not None:
+        if not (definition.folder / "config.json").is_file():
+            raise SystemExit(f"row {row} runs {definition.folder}, which is not there: "
+                             f"python benchmarks/compare_recovery.py --methods {definition.method} makes it")
+        return definition.folder
+    folder = work / row
+    if not (folder / "config.json").is_file():
+        sets = [arg for key, value in definition.options.items() for arg in ("--set", f"{key}={value}")]
+        moeify_cli("convert", str(MODEL), "--method", definition.method, "--out", str(folder), "--calib", str(CALIB),
+                   "--eval", str(eval_text), "--no-speed", "--overwrite", *sets)
+    return folder
+
+
+def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
+    """``row``'s GGUF in ``quant`` (written once): the dense model through the llama form, an export through
+    ``moeify export --format gguf``."""
+    out = work / f"{row}.{quant}.gguf"
+    if out.is_file():
+        return out
+    if ROWS[row] is None:
+        from moeify.export.gguf import vocabulary, write_gguf
+        from moeify.export.hf_export import HfExport
+        from moeify.loading import load_model
+
+        model = load_model(str(MODEL), dtype="float32")[0]
+        write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
+        return out
+    from moeify.export.gguf.quantize import LLAMA_QUANTS, llama_quantize
+    from moeify.files import atomic_file
+
+    if quant in LLAMA_QUANTS:  # as `moeify export --quant` does: llama.cpp quantises the f16 file (one fit)
+        with atomic_file(out) as tmp:
+            llama_quantize(gguf_file(row, "f16", work, eval_text), tmp, quant)
+        return out
+    moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", "gguf", "--quant", quant,
+               "--out", str(out), *export_options(row, eval_text))
+    return out
+
+
+def conversion(row: str) -> dict[str, Any] | None:
+    """What ``row`` is (method, conversion options or folder, export options), written with each of its lines so that
+    the table takes only the lines of the row's latest definition; None for the dense model."""
+    definition = ROWS[row]
+    if definition is None:
+        return None
+    made = {"options": definition.options} if definition.folder is None else {
+        "folder": str(definition.folder.relative_to(HERE))}
+    return {"method": definition.method, **made, "export": list(definition.export)}
+
+
+def export_options(row: str, eval_text: Path) -> tuple[str, ...]:
+    """``row``'s ``moeify export`` options beyond the format (an approximation's texts with it)."""
+    extra = ROWS[row].export
+    return (*extra, "--calib", str(CALIB), "--eval", str(eval_text)) if extra else ()
+
+
+def gguf_format(path: Path) -> str:
+    """The standard form a GGUF file of moeify's was written through (``llama`` for the dense model's)."""
+    from gguf import GGUFReader
+
+    from moeify.export.gguf import RECORD_KEY
+
+    return json.loads(GGUFReader(path).fields[RECORD_KEY].contents()).get("format", "llama")
+
+
+def standard_export(row: str, fmt: str, work: Path, eval_text: Path) -> Path:
+    """``row``'s standard Hugging Face folder in ``fmt``, with the options of its GGUF (made once): the
+    dense model as transformers saves it, a conversion through ``moeify export``."""
+    folder = work / f"{row}-{fmt}"
+    if (folder / "config.json").is_file():
+        return folder
+    if ROWS[row] is None:
+        from moeify.loading import load_model
+
+        model, tokenizer = load_model(str(MODEL), dtype="float32")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        moeify_cli("export", str(native_folder(row, work, eval_text)), "--format", fmt, "--out", str(folder),
+                   *export_options(row, eval_text))
+    return folder
+
+
+def kv_cache_type(quant: str, asked: str) -> str:
+    """The KV cache's type for a file in ``quant``: ``asked``, or for ``auto`` float32 with an f32 file (so
+    the file alone is measured against the native float32 model) and llama.cpp's default f16 otherwise."""
+    return asked if asked != "auto" else "f32" if quant == "f32" else "f16"
+
+
+def build_of(row: str, work: Path, eval_text: Path) -> str | None:
+    """Which conversion of ``row`` was measured (None for the dense model): the start of the sha256 of its
+    ``record.json``, which each conversion writes anew (timings included), so the table takes no line of a
+    conversion made again since, even of the same definition."""
+    if ROWS[row] is None:
+        return None
+    return hashlib.sha256((native_folder(row, work, eval_text) / "record.json").read_bytes()).hexdigest()[:12]
+
+
+def ideal_speedup(row: str, work: Path, eval_text: Path, context: int) -> float | None:
+    """The dense model's multiply-accumulates per token over the native conversion's, at ``context`` tokens."""
+    if ROWS[row] is None:
+        return None
+    from moeify.evaluation.speed import macs_per_token
+    from moeify.loading import load_model
+
+    dense = macs_per_token(load_model(str(MODEL), dtype="float32")[0], context)
+    return dense / macs_per_token(load_model(str(native_folder(row, work, eval_text)), dtype="float32")[0], context)
