@@ -9,9 +9,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compare_recovery import DEFAULT_RUN, RUNS  # this folder is on sys.path when run
+
+if TYPE_CHECKING:
+    from torch import nn
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 MODEL = ASSETS / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,9 +34,19 @@ class Row:
     folder: Path | None = None
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A speed yardstick, not a model: the dense SmolLM2 with every MLP cut to its first neurons, as many as
+    the experts of row ``of``'s GGUF hold (its other weights as they are). It reads per token what a top-1
+    export of that expert width reads, without routing: the generation speed such an export can at best
+    reach in llama.cpp. Only speed is measured on it (it predicts nothing)."""
+
+    of: str
+
+
 COMPARED = RUNS[DEFAULT_RUN].out
 # row -> its conversion; None: the dense model
-ROWS: dict[str, Row | None] = {
+ROWS: dict[str, Row | Cut | None] = {
     "dense": None,
     "more": Row("more"),
     "tomoe": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}),
@@ -49,6 +62,9 @@ ROWS: dict[str, Row | None] = {
     # CMoE's router and ToMoE's per-token attention dimensions (on by default) through ``--approximate``
     **{f"{method}_compared": Row(method, export=("--approximate",) if method in ("cmoe", "tomoe") else (),
                                  folder=COMPARED / method) for method in ("more", "tomoe", "cmoe", "dense2moe")},
+    # yardsticks: the dense model as wide per token as the top-1 exports of ToMoE and CMoE
+    "dense_tomoe_width": Cut("tomoe"),
+    "dense_cmoe_width": Cut("cmoe"),
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 
@@ -57,6 +73,41 @@ def moeify_cli(*args: str) -> None:
     done = subprocess.run([sys.executable, "-m", "moeify", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"moeify {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
+def made_here(row: str) -> bool:
+    """Whether this script makes ``row`` (the ``_compared`` rows run ``compare_recovery.py``'s models)."""
+    definition = ROWS[row]
+    return not isinstance(definition, Row) or definition.folder is None
+
+
+def cut_width(row: str, work: Path, eval_text: Path) -> int:
+    """The expert width of a yardstick's row, from that row's f16 GGUF (the width every layer's experts are
+    padded to: what llama.cpp reads per expert)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file(ROWS[row].of, "f16", work, eval_text))
+    arch = reader.fields["general.architecture"].contents()
+    return int(reader.fields[f"{arch}.feed_forward_length"].contents())
+
+
+def dense_model(width: int | None = None) -> nn.Module:
+    """The dense SmolLM2 in float32, with every MLP cut to its first ``width`` neurons where one is given."""
+    import torch
+
+    from moeify.loading import load_model
+
+    model = load_model(str(MODEL), dtype="float32")[0]
+    if width is not None:
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            for linear in (mlp.gate_proj, mlp.up_proj):
+                linear.weight = torch.nn.Parameter(linear.weight[:width].clone())
+                linear.out_features = width
+            mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight[:, :width].clone())
+            mlp.down_proj.in_features = width
+        model.config.intermediate_size = width
+    return model
 
 
 def native_folder(row: str, work: Path, eval_text: Path) -> Path:
@@ -76,17 +127,16 @@ def native_folder(row: str, work: Path, eval_text: Path) -> Path:
 
 
 def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
-    """``row``'s GGUF in ``quant`` (written once): the dense model through the llama form, an export through
-    ``moeify export --format gguf``."""
+    """``row``'s GGUF in ``quant`` (written once): the dense model (or a yardstick cut from it) through the
+    llama form, an export through ``moeify export --format gguf``."""
     out = work / f"{row}.{quant}.gguf"
     if out.is_file():
         return out
-    if ROWS[row] is None:
+    if not isinstance(ROWS[row], Row):
         from moeify.export.gguf import vocabulary, write_gguf
         from moeify.export.hf_export import HfExport
-        from moeify.loading import load_model
 
-        model = load_model(str(MODEL), dtype="float32")[0]
+        model = dense_model(cut_width(row, work, eval_text) if ROWS[row] else None)
         write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
         return out
     from moeify.export.gguf.quantize import LLAMA_QUANTS, llama_quantize
@@ -107,6 +157,8 @@ def conversion(row: str) -> dict[str, Any] | None:
     definition = ROWS[row]
     if definition is None:
         return None
+    if isinstance(definition, Cut):
+        return {"method": "dense", "mlp_cut_to_the_expert_width_of": definition.of}
     made = {"options": definition.options} if definition.folder is None else {
         "folder": str(definition.folder.relative_to(HERE))}
     return {"method": definition.method, **made, "export": list(definition.export)}
@@ -154,18 +206,22 @@ def kv_cache_type(quant: str, asked: str) -> str:
 def build_of(row: str, work: Path, eval_text: Path) -> str | None:
     """Which conversion of ``row`` was measured (None for the dense model): the start of the sha256 of its
     ``record.json``, which each conversion writes anew (timings included), so the table takes no line of a
-    conversion made again since, even of the same definition."""
+    conversion made again since, even of the same definition; a yardstick's is its row's."""
     if ROWS[row] is None:
         return None
+    if isinstance(ROWS[row], Cut):
+        return build_of(ROWS[row].of, work, eval_text)
     return hashlib.sha256((native_folder(row, work, eval_text) / "record.json").read_bytes()).hexdigest()[:12]
 
 
 def ideal_speedup(row: str, work: Path, eval_text: Path, context: int) -> float | None:
-    """The dense model's multiply-accumulates per token over the native conversion's, at ``context`` tokens."""
+    """The dense model's multiply-accumulates per token over the native conversion's (a yardstick's own), at
+    ``context`` tokens."""
     if ROWS[row] is None:
         return None
     from moeify.evaluation.speed import macs_per_token
     from moeify.loading import load_model
 
-    dense = macs_per_token(load_model(str(MODEL), dtype="float32")[0], context)
-    return dense / macs_per_token(load_model(str(native_folder(row, work, eval_text)), dtype="float32")[0], context)
+    model = dense_model(cut_width(row, work, eval_text)) if isinstance(ROWS[row], Cut) else load_model(
+        str(native_folder(row, work, eval_text)), dtype="float32")[0]
+    return macs_per_token(dense_model(), context) / macs_per_token(model, context)

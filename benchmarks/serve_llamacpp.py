@@ -7,10 +7,12 @@ picks: MoRE and ToMoE exactly in the mixtral form (llama.cpp's llama with expert
 ``--approximate`` in mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's
 ``dense2moe`` options; its dense layers as identical experts, so the file holds E copies of their MLPs), each
 in every ``--quants``; the CMoE and ToMoE rows trained further by distillation (``recover_tokens``), as a
-served model is (the untrained rows route by margins that rounding crosses); and the ``_compared`` rows, the
+served model is (the untrained rows route by margins that rounding crosses); the ``_compared`` rows, the
 folders of ``compare_recovery.py``'s run (MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own
-training and the same 200,000 tokens of recovery: that run makes them). Per row and quantisation, one JSON line
-in ``--out`` (with the row's definition, ``conversion``, and its form, ``format``):
+training and the same 200,000 tokens of recovery: that run makes them); and two speed yardsticks, the dense
+model with every MLP cut to the expert width of ToMoE's and of CMoE's GGUF (no routing, and no perplexity or
+agreement: they predict nothing). Per row and quantisation, one JSON line in ``--out`` (with the row's
+definition, ``conversion``, and its form, ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
   token ids, against moeify's native model (float32), the f32 file with a float32 KV cache (``--kv-cache``:
@@ -67,12 +69,14 @@ from llamacpp_rows import (  # this folder is on sys.path when run
     MODEL,
     QUANTS,
     ROWS,
+    Cut,
     build_of,
     conversion,
     gguf_file,
     gguf_format,
     ideal_speedup,
     kv_cache_type,
+    made_here,
     native_folder,
     standard_export,
 )
@@ -303,8 +307,7 @@ def speed(paths: dict[str, Path], prompt: list[int], threads: int, repeats: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    made_here = [row for row, definition in ROWS.items() if definition is None or definition.folder is None]
-    parser.add_argument("--rows", default=",".join(made_here),
+    parser.add_argument("--rows", default=",".join(row for row in ROWS if made_here(row)),
                         help=f"comma-separated, of {', '.join(ROWS)} (default: the rows made here; the _compared "
                              "rows run compare_recovery.py's models)")
     parser.add_argument("--quants", default=",".join(QUANTS), help=f"comma-separated, of {', '.join(QUANTS)}")
@@ -354,7 +357,9 @@ def main() -> None:
     for quant in quants:
         kv_cache = kv_cache_type(quant, args.kv_cache)
         paths = {row: gguf_file(row, quant, args.work, eval_text) for row in rows}
-        for row, path in paths.items() if {"agreement", "perplexity"} & set(measures) else ():
+        models = [row for row in rows if not isinstance(ROWS[row], Cut)]  # a yardstick: speed only
+        for row in models if {"agreement", "perplexity"} & set(measures) else ():
+            path = paths[row]
             result = line(row, quant, path, kv_cache)
             if "agreement" in measures and quant in AGREEMENT_QUANTS:
                 result.update(agreement(row, path, args.work, eval_text, ids, args.threads, kv_cache))
