@@ -129,14 +129,15 @@ def native_folder(row: str, work: Path, eval_text: Path) -> Path:
 def gguf_file(row: str, quant: str, work: Path, eval_text: Path) -> Path:
     """``row``'s GGUF in ``quant`` (written once): the dense model (or a yardstick cut from it) through the
     llama form, an export through ``moeify export --format gguf``."""
-    out = work / f"{row}.{quant}.gguf"
+    width = cut_width(row, work, eval_text) if isinstance(ROWS[row], Cut) else None
+    out = work / (f"{row}.{quant}.gguf" if width is None else f"dense_mlp{width}.{quant}.gguf")  # by what it holds
     if out.is_file():
         return out
     if not isinstance(ROWS[row], Row):
         from moeify.export.gguf import vocabulary, write_gguf
         from moeify.export.hf_export import HfExport
 
-        model = dense_model(cut_width(row, work, eval_text) if ROWS[row] else None)
+        model = dense_model(width)
         write_gguf(HfExport(model, "llama"), out, vocabulary([MODEL], model.config.vocab_size), quant)
         return out
     from moeify.export.gguf.quantize import LLAMA_QUANTS, llama_quantize
