@@ -356,8 +356,9 @@ def main() -> None:
 
     for quant in quants:
         kv_cache = kv_cache_type(quant, args.kv_cache)
-        paths = {row: gguf_file(row, quant, args.work, eval_text) for row in rows}
-        models = [row for row in rows if not isinstance(ROWS[row], Cut)]  # a yardstick: speed only
+        paths = {row: gguf_file(row, quant, args.work, eval_text) for row in rows
+                 if "speed" in measures or not isinstance(ROWS[row], Cut)}  # a yardstick is only timed
+        models = [row for row in paths if not isinstance(ROWS[row], Cut)]
         for row in models if {"agreement", "perplexity"} & set(measures) else ():
             path = paths[row]
             result = line(row, quant, path, kv_cache)
