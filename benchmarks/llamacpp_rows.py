@@ -3,6 +3,7 @@ folder, a GGUF per quantisation, a standard Hugging Face export), each made once
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -225,4 +226,12 @@ def ideal_speedup(row: str, work: Path, eval_text: Path, context: int) -> float 
 
     model = dense_model(cut_width(row, work, eval_text)) if isinstance(ROWS[row], Cut) else load_model(
         str(native_folder(row, work, eval_text)), dtype="float32")[0]
-    return macs_per_token(dense_model(), context) / macs_per_token(model, context)
+    return dense_macs(context) / macs_per_token(model, context)
+
+
+@functools.cache
+def dense_macs(context: int) -> float:
+    """The dense model's multiply-accumulates per token at ``context`` tokens (loaded once for every row)."""
+    from moeify.evaluation.speed import macs_per_token
+
+    return macs_per_token(dense_model(), context)
