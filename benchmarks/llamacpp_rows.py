@@ -50,11 +50,12 @@ COMPARED = RUNS[DEFAULT_RUN].out
 ROWS: dict[str, Row | Cut | None] = {
     "dense": None,
     "more": Row("more"),
-    "tomoe": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0}),
+    # ToMoE's routers trained for compare_recovery.py's budget (its default is 600 steps, hours on this CPU)
+    "tomoe": Row("tomoe", {"attention": "off", "steps": 250, "checkpoint_every": 0}),
     "cmoe": Row("cmoe", export=("--approximate",)),
     "dense2moe": Row("dense2moe", {"steps": 30, "lr": 1e-4, "seq_len": 256, "checkpoint_every": 0}),
-    # the default CMoE and ToMoE trained further by distillation (`recover_tokens`), as a served model is:
-    # the untrained rows route by margins that rounding crosses
+    # the default CMoE and a 10-step ToMoE (routers barely trained: narrow experts, routing margins that
+    # rounding crosses) trained further by distillation (`recover_tokens`), as a served model is
     "cmoe_recovered": Row("cmoe", {"recover_tokens": 100_000, "recover_lm_share": 0.0, "recover_recompute": False},
                           ("--approximate",)),
     "tomoe_recovered": Row("tomoe", {"attention": "off", "steps": 10, "checkpoint_every": 0,
@@ -63,8 +64,8 @@ ROWS: dict[str, Row | Cut | None] = {
     # CMoE's router and ToMoE's per-token attention dimensions (on by default) through ``--approximate``
     **{f"{method}_compared": Row(method, export=("--approximate",) if method in ("cmoe", "tomoe") else (),
                                  folder=COMPARED / method) for method in ("more", "tomoe", "cmoe", "dense2moe")},
-    # yardsticks: the dense model as wide per token as the top-1 exports of ToMoE and CMoE
-    "dense_tomoe_width": Cut("tomoe"),
+    # yardsticks: the dense model as wide per token as the top-1 exports of the 10-step ToMoE and of CMoE
+    "dense_tomoe_width": Cut("tomoe_recovered"),
     "dense_cmoe_width": Cut("cmoe"),
 }
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
@@ -216,22 +217,35 @@ def build_of(row: str, work: Path, eval_text: Path) -> str | None:
     return hashlib.sha256((native_folder(row, work, eval_text) / "record.json").read_bytes()).hexdigest()[:12]
 
 
+@functools.cache
 def ideal_speedup(row: str, work: Path, eval_text: Path, context: int) -> float | None:
-    """The dense model's multiply-accumulates per token over the native conversion's (a yardstick's own), at
-    ``context`` tokens."""
+    """The dense model's multiply-accumulates per token over ``row``'s, each counted in its f16 GGUF file
+    (``file_macs``: what llama.cpp computes, the experts' zero padding included), at ``context`` tokens; None
+    for the dense model."""
     if ROWS[row] is None:
         return None
-    from moeify.evaluation.speed import macs_per_token
-    from moeify.loading import load_model
-
-    model = dense_model(cut_width(row, work, eval_text)) if isinstance(ROWS[row], Cut) else load_model(
-        str(native_folder(row, work, eval_text)), dtype="float32")[0]
-    return dense_macs(context) / macs_per_token(model, context)
+    dense = file_macs(gguf_file("dense", "f16", work, eval_text), context)
+    return dense / file_macs(gguf_file(row, "f16", work, eval_text), context)
 
 
-@functools.cache
-def dense_macs(context: int) -> float:
-    """The dense model's multiply-accumulates per token at ``context`` tokens (loaded once for every row)."""
-    from moeify.evaluation.speed import macs_per_token
+def file_macs(path: Path, context: int) -> float:
+    """Multiply-accumulates per token of the model in the GGUF file ``path``, by ``macs_per_token``'s
+    accounting on the file's own tensors: every matrix a token multiplies, each layer's experts at top-k of E
+    of their stored (padded) width, the attention scores over ``context`` / 2 keys on average (QK^T and AV),
+    and the output head (the embedding where the file ties it); routers and norms left out (small)."""
+    from gguf import GGUFReader
 
-    return macs_per_token(dense_model(), context)
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    experts = reader.fields.get(f"{arch}.expert_count")
+    share = reader.fields[f"{arch}.expert_used_count"].contents() / experts.contents() if experts else 1.0
+    names = {tensor.name for tensor in reader.tensors}
+    macs = 0.0
+    for tensor in reader.tensors:
+        name = tensor.name
+        if len(tensor.shape) < 2 or name.endswith("ffn_gate_inp.weight") or (
+                name == "token_embd.weight" and "output.weight" in names):  # a lookup where the head is its own
+            continue
+        macs += int(tensor.n_elements) * (share if "_exps." in name else 1.0)
+    hidden = reader.fields[f"{arch}.embedding_length"].contents()
+    return macs + reader.fields[f"{arch}.block_count"].contents() * context * hidden

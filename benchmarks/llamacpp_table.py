@@ -21,7 +21,8 @@ def markdown(path: Path) -> str:
     """One line per (row, quantisation, KV cache), the latest of each in the row's latest definition, form
     (its format named with the row) and conversion (``build``): perplexity through llama.cpp and its
     change from the same row's f16, agreement with the native model, and speed against the dense model's in
-    the same quantisation, from the quantisation's latest speed run (a row outside it: none); a KV cache
+    the same quantisation, from the quantisation's latest speed run (a row outside it: none), beside the
+    FLOP ideal of that run's line; a KV cache
     other than the quantisation's default (``kv_cache_type``) is named in the quant column. Then the rows of
     the converter route (llama.cpp's ``convert_hf_to_gguf.py`` on a standard export, float32), which lines
     without a quantisation hold."""
@@ -57,7 +58,8 @@ def markdown(path: Path) -> str:
         ratios = [f"{row[f'{kind}_x_dense']:.2f}x" if f"{kind}_x_dense" in row  # interleaved with dense
                   else f"{row[k] / dense[k]:.2f}x" if k in dense and k in row and name != "dense" else "-"
                   for kind, k in (("prompt", "prompt_tokens_per_s"), ("generation", "generation_tokens_per_s"))]
-        ideal = f"{row['ideal_speedup']:.2f}x" if row.get("ideal_speedup") else "-"
+        timed = "generation_tokens_per_s" in row  # the FLOP ideal stands beside the speed it bounds
+        ideal = f"{row['ideal_speedup']:.2f}x" if row.get("ideal_speedup") and timed else "-"
         ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
         prompt = f"{row['prompt_tokens_per_s']:.0f}" if "prompt_tokens_per_s" in row else "-"
         generation = f"{row['generation_tokens_per_s']:.1f}" if "generation_tokens_per_s" in row else "-"
