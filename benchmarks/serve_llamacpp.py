@@ -3,15 +3,15 @@ and prompt and generation speed against the dense model in the same quantisation
 
 Rows (``llamacpp_rows.py``): the dense SmolLM2 (written through the ``llama`` form, so both sides go through
 the same writer) and each default conversion that llama.cpp holds, in the form ``moeify export --format gguf``
-picks: MoRE and ToMoE exactly in the mixtral form (llama.cpp's llama with experts), CMoE through
-``--approximate`` in mixtral too (its fitted top-1 routers), Dense2MoE exactly in qwen2moe (bench_real's
-``dense2moe`` options; its dense layers as identical experts, so the file holds E copies of their MLPs), each
-in every ``--quants``; the CMoE and ToMoE rows trained further by distillation (``recover_tokens``), as a
-served model is (the untrained rows route by margins that rounding crosses); the ``_compared`` rows, the
+picks: MoRE and ToMoE (its routers trained 250 steps) exactly in the mixtral form (llama.cpp's llama with
+experts), CMoE through ``--approximate`` in mixtral too (its fitted top-1 routers), Dense2MoE exactly in
+qwen2moe (bench_real's ``dense2moe`` options; its dense layers as identical experts, so the file holds E copies
+of their MLPs), each in every ``--quants``; the default CMoE and a ToMoE trained 10 steps, each trained further
+by distillation (``recover_tokens``), as a served model is; the ``_compared`` rows, the
 folders of ``compare_recovery.py``'s run (MoRE, ToMoE, CMoE and Dense2MoE at APR 0.5, each after its own
 training and the same 200,000 tokens of recovery: that run makes them); and two speed yardsticks, the dense
-model with every MLP cut to the expert width of ToMoE's and of CMoE's GGUF (no routing, and no perplexity or
-agreement: they predict nothing). Per row and quantisation, one JSON line in ``--out`` (with the row's
+model with every MLP cut to the expert width of the recovered ToMoE's and of CMoE's GGUF (no routing, and no
+perplexity or agreement: they predict nothing). Per row and quantisation, one JSON line in ``--out`` (with the row's
 definition, ``conversion``, and its form, ``format``):
 
 - agreement (f32 and f16): 64 greedy tokens for the 8 prompts of ``serve_vllm.py``, fed to llama.cpp as
@@ -29,7 +29,8 @@ definition, ``conversion``, and its form, ``format``):
   file but f32): prompt processing of a 512-token prompt and generation of 128 tokens (tokens/s, median of
   ``--repeats`` rounds, each running every row's file of the quantisation once, so each row's speed against
   the dense model is the median of ratios measured side by side; generation as one over a round's median
-  time per token, its mean beside it), with ``--threads`` threads.
+  time per token, its mean beside it), with ``--threads`` threads; beside it the FLOP ideal, the dense file's
+  multiply-accumulates per token over the row's, counted from the files (``llamacpp_rows.file_macs``).
 
 The conversions read the SmolLM2 GGUF itself, so the exports carry its tokenizer section as it is.
 llama-cpp-python builds llama.cpp from source (PyPI has no wheel for this CPU):
