@@ -217,15 +217,20 @@ def build_of(row: str, work: Path, eval_text: Path) -> str | None:
     return hashlib.sha256((native_folder(row, work, eval_text) / "record.json").read_bytes()).hexdigest()[:12]
 
 
+def ideal_speedup(row: str, path: Path, context: int) -> float | None:
+    """The dense model's multiply-accumulates per token over those of ``row``'s GGUF file ``path`` (``file_macs``:
+    what llama.cpp computes, the experts' zero padding included; the same in every quantisation), at ``context``
+    tokens; None for the dense model."""
+    return None if ROWS[row] is None else dense_macs(context) / file_macs(path, context)
+
+
 @functools.cache
-def ideal_speedup(row: str, work: Path, eval_text: Path, context: int) -> float | None:
-    """The dense model's multiply-accumulates per token over ``row``'s, each counted in its f16 GGUF file
-    (``file_macs``: what llama.cpp computes, the experts' zero padding included), at ``context`` tokens; None
-    for the dense model."""
-    if ROWS[row] is None:
-        return None
-    dense = file_macs(gguf_file("dense", "f16", work, eval_text), context)
-    return dense / file_macs(gguf_file(row, "f16", work, eval_text), context)
+def dense_macs(context: int) -> float:
+    """The dense model's multiply-accumulates per token at ``context`` tokens (``file_macs`` of its file counts
+    the same), loaded once for every row."""
+    from moeify.evaluation.speed import macs_per_token
+
+    return macs_per_token(dense_model(), context)
 
 
 def file_macs(path: Path, context: int) -> float:

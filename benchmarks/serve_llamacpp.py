@@ -352,8 +352,7 @@ def main() -> None:
     def line(row: str, quant: str, path: Path, kv_cache: str) -> dict[str, Any]:
         return {"row": row, "conversion": conversion(row), "quant": quant, "format": gguf_format(path),
                 "engine": "llama.cpp (llama-cpp-python 0.3.36)", "kv_cache": kv_cache, "bytes": path.stat().st_size,
-                "ideal_speedup": ideal_speedup(row, args.work, eval_text, SPEED_PROMPT + SPEED_NEW),
-                "build": build[row]}
+                "ideal_speedup": ideal_speedup(row, path, SPEED_PROMPT + SPEED_NEW), "build": build[row]}
 
     for quant in quants:
         kv_cache = kv_cache_type(quant, args.kv_cache)
