@@ -3,6 +3,8 @@ layer that keeps most of its neurons does not set the padded widths of every oth
 the layer with every expert on (each neuron once); ``auto`` picks the layers that make a format's layout
 cheapest, and none where the format has no dense layers of their own width."""
 
+import json
+
 import pytest
 import torch
 
@@ -103,6 +105,19 @@ def test_cli_dense_layers(value, message, tokenizer, tmp_path, capsys):
     captured = capsys.readouterr()
     if value == "0":
         assert code == 0 and message in captured.out and "layer 0 dense" in captured.out
-        assert "APPROXIMATE" in captured.out
+        assert "APPROXIMATE" in captured.out and "layout runs" not in captured.err  # no padding left to warn of
     else:  # refused in one line, without writing anything
         assert code == 2 and message in captured.err and not (tmp_path / "out").exists(), captured.err
+
+
+def test_an_export_reports_the_neurons_per_token_its_layout_pads_to_and_warns_of_one_wide_layer(tokenizer, tmp_path,
+                                                                                                 capsys):
+    native = moeify.save(ConversionResult(wide_first_layer(), tokenizer, {"method": "more"}), tmp_path / "native")
+    assert main(["export", str(native), "--format", "mixtral", "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    record = json.loads((tmp_path / "out" / "moeify_export.json").read_text())
+    # converted: 76 + 6 neurons per token in layer 0, 16 + 18 in layer 1; mixtral: one expert width for both
+    # layers, layer 0's 82 rounded up to 88
+    assert record["mlp_neurons_per_token"] == {"source": 116.0, "export": 176}
+    assert "116 as converted -> 176 in the mixtral layout" in captured.out
+    assert "runs 1.52x the MLP neurons per token" in captured.err and "widest layer (0: 82" in captured.err

@@ -10,6 +10,9 @@ from pathlib import Path
 from moeify.cli.common import add_device_arguments
 from moeify.cli.format import print_table
 
+# the export's MLP neurons per token over the conversion's above which the padding is worth a warning
+PADDING_WARNING = 1.25
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
@@ -78,6 +81,27 @@ def _float32_sums(rearranged: list[int]) -> str:
             "experts, or a wider shared part: same function, other float32 rounding)")
 
 
+def _neurons_row(record: dict) -> str:
+    neurons = record["mlp_neurons_per_token"]
+    return (f"{neurons['source']:,.0f} as converted -> {neurons['export']:,} in the {record['format']} layout "
+            "(all layers; the layout's zero padding included)")
+
+
+def _warn_padding(record: dict) -> None:
+    """Say so where the format's one expert width makes the export run far more MLP neurons per token than
+    the conversion: one wide layer pads every other, and the export loses the speed its sparsity promised."""
+    neurons = record["mlp_neurons_per_token"]
+    ratio = neurons["export"] / neurons["source"]
+    if ratio <= PADDING_WARNING:
+        return
+    widths = [layer["shared_width"] + max(layer["expert_widths"], default=0) for layer in record["layers"]]
+    widest = max(range(len(widths)), key=widths.__getitem__)
+    print(f"warning: the {record['format']} layout runs {ratio:.2f}x the MLP neurons per token of the conversion: "
+          f"the format gives every layer's experts one width, which the widest layer ({widest}: {widths[widest]:,} "
+          "neurons per token) sets; --dense-layers auto writes such layers dense where the format holds dense "
+          "layers of their own width", file=sys.stderr)
+
+
 def _approximation_rows(approximation: dict) -> list[tuple[str, str]]:
     """One row per approximated part (what replaced it, its held-out agreement) and the perplexity change."""
     rows = []
@@ -113,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
             ("max |logit difference|, float32", f"{record['max_abs_logit_diff']:.3g} on {record['probe']}"),
             ("float32 MLP sums", _float32_sums(record["rearranged_layers"])),
             ("routed / dense layers", f"{routed} / {len(record['layers']) - routed}"),
-            ("params source -> export", f"{record['params']['source']:,} -> {record['params']['export']:,}")]
+            ("params source -> export", f"{record['params']['source']:,} -> {record['params']['export']:,}"),
+            ("MLP neurons per token", _neurons_row(record))]
+    _warn_padding(record)
     if approximation := record.get("approximation"):
         rows += _approximation_rows(approximation)
         print("warning: the exported model approximates the converted one (--approximate)", file=sys.stderr)

@@ -264,21 +264,15 @@ class HfExporter:
                   "rearranged_layers": self.format.rearranged(parts, config),
                   **_compare(model, target, approximate or bool(attention["padded_attention_layers"])),
                   **_compare_mlps(model, target, parts, approximate, self.format),
-                  "layers": [_layer_record(p) for p in parts],
-                  "params": {"source": _count(model), "export": _count(target)}}
+                  "layers": [p.record() for p in parts],
+                  "params": {"source": _count(model), "export": _count(target)},
+                  "mlp_neurons_per_token": {"source": float(sum(p.neurons_per_token for p in parts)),
+                                            "export": self.format.neurons_per_token(config)}}
         return HfExport(target, self.name, record)
 
 
 def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def _layer_record(part: LayerParts) -> dict[str, Any]:
-    return {"path": part.path, "routed": part.routed, "shared_width": part.shared.width,
-            "expert_widths": [e.width for e in part.experts],
-            "routing": None if part.routing is None else {"top_k": part.routing.top_k,
-                                                          "weighting": part.routing.weighting,
-                                                          "approximate": part.routing.approximate}}
 
 
 def _compare(source: PreTrainedModel, target: PreTrainedModel, approximate: bool) -> dict[str, Any]:

@@ -13,7 +13,7 @@ export measures the logits to show it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -143,6 +143,21 @@ class LayerParts:
     @property
     def routed(self) -> bool:
         return self.routing is not None
+
+    @property
+    def neurons_per_token(self) -> float:
+        """MLP neurons a token runs here: the shared part and the top-k experts at their mean width (a format's
+        layout pads them to one width)."""
+        routed = self.routing.top_k * sum(e.width for e in self.experts) / len(self.experts) if self.routed else 0
+        return self.shared.width + routed
+
+    def record(self) -> dict[str, Any]:
+        """The layer as an export's record lists it: widths and routing."""
+        return {"path": self.path, "routed": self.routed, "shared_width": self.shared.width,
+                "expert_widths": [e.width for e in self.experts],
+                "routing": None if self.routing is None else {"top_k": self.routing.top_k,
+                                                              "weighting": self.routing.weighting,
+                                                              "approximate": self.routing.approximate}}
 
 
 def linear_routing(router: Router) -> Routing:
